@@ -1,0 +1,38 @@
+# The whole set-up on a fresh machine: `make serve` or `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: serve test install install-dev lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+serve: $(VENV)/.installed
+	$(BIN)/mlxserve serve --demo --host $(HOST) --port $(PORT)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check mlxserve tests
+	$(BIN)/ruff format --check mlxserve tests
+	$(BIN)/mypy mlxserve
+
+test: lint
+	$(BIN)/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

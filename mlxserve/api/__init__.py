@@ -1,0 +1,1 @@
+"""api stage (see DESIGN.md)."""

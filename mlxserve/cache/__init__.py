@@ -1,0 +1,1 @@
+"""cache stage (see DESIGN.md)."""

@@ -1,0 +1,1 @@
+"""chat stage (see DESIGN.md)."""

@@ -1,0 +1,128 @@
+"""Command line: `mlxserve serve | generate | make-model | bench ...`.
+
+Each command's work lives in its stage's module; this file only parses
+arguments and imports the module that does the work (lazily, so `--help`
+stays fast and does not import MLX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41")
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
+    p.add_argument("model", nargs="?", help="MLX model directory")
+    p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo model")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=["auto", "deepseek_v4", "deepseek_v41", "hermes", "none"],
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=["auto", "deepseek_v4", "deepseek_v41", "qwen3", "deepseek_r1", "none"],
+    )
+    p.add_argument(
+        "--chat-encoder",
+        default="auto",
+        choices=["auto", "deepseek_v4", "deepseek_v41", "template"],
+        help="prompt renderer; auto picks by the model's model_type",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--max-prefill-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-waiting", type=int, default=256)
+    p.add_argument("--prefix-cache-bytes", type=int, default=None)
+    p.add_argument("--prefix-cache-entries", type=int, default=64)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(handler="mlxserve.api.serve:run")
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="print a greedy completion (single-sequence loop)")
+    p.add_argument("model", nargs="?", help="MLX model directory")
+    p.add_argument("--demo", action="store_true", help="use the tiny random-weight demo model")
+    p.add_argument("--prompt", default="Hello")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.set_defaults(handler="mlxserve.models.generate:run")
+
+
+def _add_make_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("make-model", help="write a tiny seeded random-weight checkpoint")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--family", required=True, choices=FAMILIES)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--hidden", type=int, default=None)
+    p.set_defaults(handler="mlxserve.models.synthetic:run")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (key=value lines + JSON)")
+    bsub = bench.add_subparsers(dest="bench_name", required=True)
+
+    p = bsub.add_parser("encoder", help="DeepSeek-V4 prompt encoder speed")
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.encoder:run")
+
+    p = bsub.add_parser("parsers", help="streaming parser cost per token")
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.parsers:run")
+
+    p = bsub.add_parser("engine", help="engine overhead, batch scaling, chunked-prefill TTFT")
+    p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 model)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--long-prompt", type=int, default=4096)
+    p.set_defaults(handler="mlxserve.bench.engine:run")
+
+    p = bsub.add_parser("prefix-cache", help="cold vs warm TTFT and an 8-turn agent session")
+    p.add_argument("--model", default=None, help="model dir (default: a tiny deepseek_v4 model)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--prefix-tokens", type=int, default=8192)
+    p.set_defaults(handler="mlxserve.bench.prefix_cache:run")
+
+    p = bsub.add_parser("serve", help="HTTP streaming load test")
+    p.add_argument("--model", default=None, help="model dir (default: the demo model)")
+    p.add_argument("--url", default=None, help="drive an already running server instead")
+    p.add_argument("--compare", default=None, help="another OpenAI-compatible server URL")
+    p.add_argument("--compare-model", default=None, help="model name to send to --compare")
+    p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--requests-per-level", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.serve:run")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
+    _add_generate(sub)
+    _add_make_model(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name, func_name = args.handler.split(":")
+    handler = getattr(importlib.import_module(module_name), func_name)
+    result = handler(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""The typed result of loading a model directory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(RuntimeError):
+    """A model directory cannot be loaded; the message names the problem."""
+
+
+@dataclass
+class LoadedModel:
+    """Everything the server needs from a model directory.
+
+    `model(inputs, cache=cache)` takes a (batch, length) int32 array and
+    returns (batch, length, vocab) logits (DeepSeek-V4's mlx-vlm output is
+    adapted to that). `tokenizer` is mlx-lm's `TokenizerWrapper` (HF tokenizer
+    plus a streaming detokenizer). `chat_encoder` names the prompt renderer:
+    "deepseek_v4", "deepseek_v41" or "template".
+    """
+
+    model: Any
+    tokenizer: Any
+    model_type: str
+    path: Path
+    config: dict[str, Any]
+    make_cache: Callable[[], list[Any]]
+    eos_token_ids: frozenset[int]
+    chat_encoder: str
+    vocab_size: int
+    extra: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""parsers stage (see DESIGN.md)."""
