@@ -1,0 +1,65 @@
+"""Engine and server settings: frozen dataclasses validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+def default_prefix_cache_bytes() -> int:
+    """A quarter of physical memory (falls back to 4 GiB where it cannot be read)."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 16 * 1024**3
+    return int(total) // 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8
+    max_prefill_tokens: int = 512
+    max_waiting: int = 256
+    max_model_len: int | None = None
+    prefix_cache: bool = True
+    prefix_cache_bytes: int | None = None
+    prefix_cache_entries: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("max_prefill_tokens must be at least 1")
+        if self.max_waiting < 0:
+            raise ValueError("max_waiting must be >= 0")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0")
+        if self.prefix_cache_entries < 0:
+            raise ValueError("prefix_cache_entries must be >= 0")
+
+    @property
+    def prefix_cache_budget(self) -> int:
+        if self.prefix_cache_bytes is None:
+            return default_prefix_cache_bytes()
+        return self.prefix_cache_bytes
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None
+    api_key: str | None = None
+    tool_call_parser: str = "auto"
+    reasoning_parser: str = "auto"
+    chat_encoder: str = "auto"
+    log_level: str = "info"
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        if self.max_body_bytes < 1024:
+            raise ValueError("max_body_bytes must be at least 1024")

@@ -1,0 +1,147 @@
+"""Typed objects that cross the engine boundary: sampling settings, requests, events."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full; the server answers 429 with Retry-After."""
+
+
+class EngineNotReady(RuntimeError):
+    """The model is still loading (or failed to load)."""
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle of a request; every finished state sorts after the running ones."""
+
+    WAITING = 0
+    PREFILLING = 1
+    RUNNING = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 means greedy."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        checks: list[tuple[bool, str]] = [
+            (self.max_tokens >= 1, "max_tokens must be at least 1"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                "temperature must be >= 0",
+            ),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (0 <= self.top_logprobs <= 20, "top_logprobs must be in [0, 20]"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """Whether sampling depends on the tokens generated so far."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step's output for one request, sent from the engine thread to the caller.
+
+    A finishing event carries `finish_reason` (stop, length, abort or error)
+    and may or may not carry a last token. `error` holds the message when the
+    request failed.
+    """
+
+    request_id: str
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class Request:
+    """Engine-side state of one request. Owned by the engine thread."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    status: RequestStatus = RequestStatus.WAITING
+    output_ids: list[int] = field(default_factory=list)
+    # Prompt tokens already in `cache` (prefix-cache hit + prefill chunks done).
+    num_computed: int = 0
+    cached_tokens: int = 0
+    cache: list[Any] | None = None
+    error: str | None = None
+    first_token_time: float | None = None
+    sampler_state: Any = None
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self.num_prompt - self.num_computed
