@@ -1,0 +1,56 @@
+"""One calling convention over mlx-lm and mlx-vlm language models.
+
+mlx-lm models return logits as an array; mlx-vlm's DeepSeek-V4 language model
+returns a `LanguageModelOutput`. The engine also wants logits for the last
+position only during prefill: projecting every prompt position through a
+129k-row lm_head costs far more than the rest of a tiny model's prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+# mlx-lm families whose __call__ is exactly `head(model.model(inputs, cache))`,
+# so the head can be applied to the last position alone.
+_PLAIN_HEAD_TYPES = frozenset(
+    {"llama", "qwen2", "qwen3", "mistral", "deepseek_v41", "phi3", "starcoder2"}
+)
+
+
+class ModelAdapter:
+    """`adapter(inputs, cache)` -> (B, L, V) logits; `last_logits` -> (B, V)."""
+
+    def __init__(self, module: Any, model_type: str) -> None:
+        self.module = module
+        self.model_type = model_type
+        self._is_vlm_v4 = model_type == "deepseek_v4"
+
+    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        out = self.module(inputs, cache=cache)
+        return out.logits if self._is_vlm_v4 else out
+
+    def last_logits(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+        """Logits of the last input position of each row, shape (B, V)."""
+        if self._is_vlm_v4:
+            from mlx_vlm.models.linear import linear
+
+            hidden = self.module.model(inputs, cache=cache)
+            return linear(self.module.lm_head, hidden[:, -1:, :])[:, -1, :]
+        if self.model_type in _PLAIN_HEAD_TYPES:
+            hidden = self.module.model(inputs, cache)[:, -1:, :]
+            head = getattr(self.module, "lm_head", None)
+            if head is None:
+                logits = self.module.model.embed_tokens.as_linear(hidden)
+            else:
+                logits = head(hidden)
+            return logits[:, -1, :]
+        return self(inputs, cache)[:, -1, :]
+
+    def make_cache(self) -> list[Any]:
+        if hasattr(self.module, "make_cache"):
+            return list(self.module.make_cache())
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return list(make_prompt_cache(self.module))

@@ -1,0 +1,125 @@
+"""Load a model directory: mlx-lm for most families, mlx-vlm for DeepSeek-V4."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from mlxserve.models.adapter import ModelAdapter
+from mlxserve.models.loaded import LoadedModel, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+VLM_TYPES = frozenset({"deepseek_v4"})
+PROGRAMMATIC_ENCODERS = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v41"}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {path} is not a directory")
+    if not config_file.is_file():
+        raise ModelLoadError(f"{config_file} is missing")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{config_file} is not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_file} must hold a JSON object")
+    if not isinstance(config.get("model_type"), str):
+        raise ModelLoadError(f"{config_file} has no model_type")
+    return config
+
+
+def _check_files(path: Path) -> None:
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"no *.safetensors weight files in {path}")
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer.model").is_file():
+        raise ModelLoadError(f"no tokenizer.json or tokenizer.model in {path}")
+
+
+def _load_module(path: Path, config: dict[str, Any]) -> Any:
+    model_type = config["model_type"]
+    if model_type in VLM_TYPES:
+        from mlx_vlm.utils import load_model as vlm_load_model
+
+        return vlm_load_model(path).language_model
+    from mlx_lm.utils import _get_classes, load_model
+
+    try:
+        _get_classes(config)
+    except ValueError as e:
+        raise ModelLoadError(f"model_type {model_type!r} is not supported by mlx-lm: {e}") from e
+    module, _ = load_model(path)
+    return module
+
+
+def load_tokenizer(path: Path, eos_token_id: Any = None) -> Any:
+    """mlx-lm's TokenizerWrapper (HF tokenizer + streaming detokenizer)."""
+    from mlx_lm.tokenizer_utils import load as load_wrapper
+
+    return load_wrapper(Path(path), eos_token_ids=eos_token_id)
+
+
+def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
+    ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
+    configured = config.get("eos_token_id")
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, list):
+        ids.update(int(i) for i in configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def choose_chat_encoder(model_type: str, override: str = "auto") -> str:
+    if override != "auto":
+        return override
+    return PROGRAMMATIC_ENCODERS.get(model_type, "template")
+
+
+def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
+    """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem."""
+    path = Path(path)
+    config = read_config(path)
+    _check_files(path)
+    model_type = config["model_type"]
+    logger.info("loading %s model from %s", model_type, path)
+    try:
+        module = _load_module(path, config)
+        tokenizer = load_tokenizer(path, config.get("eos_token_id"))
+    except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
+        raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
+    adapter = ModelAdapter(module, model_type)
+    loaded = LoadedModel(
+        model=adapter,
+        tokenizer=tokenizer,
+        model_type=model_type,
+        path=path,
+        config=config,
+        make_cache=adapter.make_cache,
+        eos_token_ids=_eos_ids(tokenizer, config),
+        chat_encoder=choose_chat_encoder(model_type, chat_encoder),
+        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
+    )
+    _check_renderable(loaded)
+    logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
+    return loaded
+
+
+def _check_renderable(model: LoadedModel) -> None:
+    if model.chat_encoder != "template":
+        return
+    try:
+        from mlxserve.chat.template import check_renderable
+    except ImportError:
+        if getattr(model.tokenizer, "chat_template", None) is None:
+            raise ModelLoadError(
+                f"{model.path} has no chat template and model_type {model.model_type!r} "
+                "has no built-in prompt encoder; pass --chat-encoder"
+            ) from None
+        return
+    check_renderable(model)

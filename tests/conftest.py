@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny seeded checkpoints, built once per test session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mlxserve.models.loaded import LoadedModel
+
+
+@pytest.fixture(scope="session")
+def model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(family, seed=0, layers=None, hidden=None)` -> checkpoint dir (cached)."""
+    from mlxserve.models.synthetic import make_model
+
+    built: dict[tuple, Path] = {}
+
+    def factory(
+        family: str, seed: int = 0, layers: int | None = None, hidden: int | None = None
+    ) -> Path:
+        key = (family, seed, layers, hidden)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"{family}-s{seed}")
+            built[key] = make_model(out, family, seed=seed, layers=layers, hidden=hidden)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def loaded_factory(model_dir_factory: Callable[..., Path]) -> Callable[[str], LoadedModel]:
+    """`factory(family)` -> LoadedModel of the seed-0 checkpoint (cached)."""
+    from mlxserve.models.load import load
+
+    cache: dict[str, LoadedModel] = {}
+
+    def factory(family: str) -> LoadedModel:
+        if family not in cache:
+            cache[family] = load(model_dir_factory(family))
+        return cache[family]
+
+    return factory

@@ -1,0 +1,154 @@
+"""Loader, synthetic checkpoints and greedy parity with mlx-lm / mlx-vlm."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlxserve.cli import main as cli_main
+from mlxserve.models.generate import greedy_generate
+from mlxserve.models.load import load
+from mlxserve.models.loaded import ModelLoadError
+from mlxserve.models.synthetic import FAMILIES, make_model
+
+PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a story about it."
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loader_on_every_family(family: str, loaded_factory) -> None:
+    model = loaded_factory(family)
+    assert model.model_type == family
+    assert model.vocab_size == 129280
+    assert 1 in model.eos_token_ids
+    expected_encoder = family if family.startswith("deepseek") else "template"
+    assert model.chat_encoder == expected_encoder
+    caches = model.make_cache()
+    assert len(caches) == model.config["num_hidden_layers"]
+    ids = model.tokenizer.encode("hello world")
+    logits = model.model(mx.array([ids]), caches)
+    assert logits.shape == (1, len(ids), 129280)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_last_logits_match_full_logits(family: str, loaded_factory) -> None:
+    model = loaded_factory(family)
+    ids = model.tokenizer.encode(PROMPT)
+    full = model.model(mx.array([ids]), model.make_cache())[:, -1, :]
+    last = model.model.last_logits(mx.array([ids]), model.make_cache())
+    assert last.shape == (1, 129280)
+    assert mx.allclose(full, last, atol=1e-3).item()
+
+
+def test_make_model_is_deterministic(tmp_path: Path) -> None:
+    a = make_model(tmp_path / "a", "deepseek_v4", seed=3)
+    b = make_model(tmp_path / "b", "deepseek_v4", seed=3)
+    c = make_model(tmp_path / "c", "deepseek_v4", seed=4)
+    assert _digest(a) == _digest(b)
+    assert _digest(a)["model.safetensors"] != _digest(c)["model.safetensors"]
+    assert set(_digest(a)) == {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+
+
+def test_make_model_cli_sizes(tmp_path: Path) -> None:
+    out = tmp_path / "m"
+    assert cli_main(["make-model", str(out), "--family", "llama", "--layers", "1"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1
+    assert config["hidden_size"] == 64
+
+
+def test_deepseek_v4_config_covers_every_layer_kind(model_dir_factory) -> None:
+    config = json.loads((model_dir_factory("deepseek_v4") / "config.json").read_text())
+    assert set(config["compress_ratios"]) == {0, 4, 128}
+    assert config["hc_mult"] > 1
+    assert 0 < config["num_hash_layers"] < config["num_hidden_layers"]
+    model = load(model_dir_factory("deepseek_v4"))
+    kinds = {type(c).__name__ for c in model.make_cache()}
+    assert kinds == {"RotatingKVCache", "CacheList"}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek_v41"])
+def test_greedy_parity_with_mlx_lm(family: str, loaded_factory) -> None:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = loaded_factory(family)
+    ids = model.tokenizer.encode(PROMPT)
+    ours = greedy_generate(model, ids, 12, stop_at_eos=False)
+    module = model.model.module
+    theirs = [
+        int(tok)
+        for tok, _ in generate_step(
+            mx.array(ids), module, max_tokens=12, prompt_cache=make_prompt_cache(module)
+        )
+    ]
+    assert ours == theirs
+
+
+def test_greedy_parity_with_mlx_vlm_deepseek_v4(model_dir_factory, loaded_factory) -> None:
+    from mlx_vlm.generate import generate_step
+    from mlx_vlm.utils import load_model
+
+    model = loaded_factory("deepseek_v4")
+    ids = model.tokenizer.encode(PROMPT)
+    ours = greedy_generate(model, ids, 12, stop_at_eos=False)
+    vlm = load_model(model_dir_factory("deepseek_v4"))
+    theirs = [
+        int(tok)
+        for tok, _ in generate_step(
+            mx.array([ids]), vlm, None, None, max_tokens=12, temperature=0.0
+        )
+    ]
+    assert ours == theirs
+
+
+def test_load_errors_name_the_problem(tmp_path: Path, model_dir_factory) -> None:
+    with pytest.raises(ModelLoadError, match="not a directory"):
+        load(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match="config.json is missing"):
+        load(empty)
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir_factory("llama"), broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load(broken)
+    (broken / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
+    with pytest.raises(ModelLoadError, match="no_such_arch"):
+        load(broken)
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(model_dir_factory("llama"), no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        load(no_weights)
+
+
+def test_model_without_template_or_encoder_is_rejected(tmp_path: Path, model_dir_factory) -> None:
+    plain = tmp_path / "plain"
+    shutil.copytree(model_dir_factory("llama"), plain)
+    config_path = plain / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config.pop("chat_template")
+    config_path.write_text(json.dumps(config), encoding="utf-8")
+    with pytest.raises(ModelLoadError, match="chat template"):
+        load(plain)
+
+
+def test_generate_cli(model_dir_factory, capsys: pytest.CaptureFixture[str]) -> None:
+    path = model_dir_factory("llama")
+    assert cli_main(["generate", str(path), "--prompt", "hi", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.strip()
