@@ -1,0 +1,104 @@
+"""The one prompt entry point the server calls: request -> prompt text and token ids."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.chat.deepseek_v4 import Variant, encode_request
+from mlxserve.chat.messages import PromptError
+from mlxserve.chat.template import PROGRAMMATIC_ENCODERS, render_template
+from mlxserve.models.loaded import LoadedModel
+
+ENCODERS = ("deepseek_v4", "deepseek_v41", "template")
+_VARIANTS: dict[str, Variant] = {"deepseek_v4": "v4", "deepseek_v41": "v41"}
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """What prompt rendering needs from a chat request.
+
+    `messages` and `tools` are the client's OpenAI dicts. `reasoning_effort`
+    is the top-level OpenAI field. `chat_template_kwargs`: for DeepSeek,
+    `thinking` (default True; `enable_thinking` is accepted as an alias) and
+    `drop_thinking` (default True); for templates, passed to the template.
+    """
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] | None = None
+    reasoning_effort: str | int | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PromptIds:
+    """A rendered prompt and its token ids (ready for the engine)."""
+
+    text: str
+    token_ids: list[int]
+
+
+def choose_encoder(model_type: str, override: str = "auto") -> str:
+    """The prompt renderer for a model: "deepseek_v4", "deepseek_v41" or "template".
+
+    `override` is `--chat-encoder`; "auto" picks by the model's `model_type`.
+    """
+    if override != "auto":
+        if override not in ENCODERS:
+            raise ValueError(
+                f"--chat-encoder {override!r} is not one of auto, {', '.join(ENCODERS)}"
+            )
+        return override
+    if model_type in _VARIANTS:
+        return model_type
+    return "template"
+
+
+def deepseek_request(request: PromptRequest) -> dict[str, Any]:
+    """A PromptRequest in the shape `encode_request` takes."""
+    kwargs = request.chat_template_kwargs
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    out: dict[str, Any] = {
+        "messages": request.messages,
+        "tools": request.tools,
+        "thinking": True if thinking is None else thinking,
+        "reasoning_effort": request.reasoning_effort,
+    }
+    if "drop_thinking" in kwargs:
+        out["drop_thinking"] = kwargs["drop_thinking"]
+    return out
+
+
+def render_text(model: LoadedModel, request: PromptRequest) -> str:
+    """The prompt text for a request, by the model's chat encoder."""
+    if model.chat_encoder in PROGRAMMATIC_ENCODERS:
+        return encode_request(deepseek_request(request), _VARIANTS[model.chat_encoder])
+    if model.chat_encoder != "template":
+        raise ValueError(f"unknown chat encoder {model.chat_encoder!r}")
+    return render_template(
+        model.tokenizer,
+        request.messages,
+        tools=request.tools,
+        chat_template_kwargs=request.chat_template_kwargs,
+        reasoning_effort=request.reasoning_effort,
+    )
+
+
+def render_prompt(model: LoadedModel, request: PromptRequest) -> PromptIds:
+    """Render and tokenize a chat request. Raises PromptError for a bad request.
+
+    DeepSeek prompts carry their own BOS, so no special tokens are added; a
+    template's text is tokenized with special tokens only if it does not
+    already start with the BOS token.
+    """
+    if not isinstance(request.chat_template_kwargs, Mapping):
+        raise PromptError("'chat_template_kwargs' must be an object")
+    text = render_text(model, request)
+    if model.chat_encoder in PROGRAMMATIC_ENCODERS:
+        add_special = False
+    else:
+        bos = getattr(model.tokenizer, "bos_token", None)
+        add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
+    ids = model.tokenizer.encode(text, add_special_tokens=add_special)
+    return PromptIds(text=text, token_ids=[int(i) for i in ids])
