@@ -99,20 +99,52 @@ def test_greedy_parity_with_mlx_lm(family: str, loaded_factory) -> None:
 
 
 def test_greedy_parity_with_mlx_vlm_deepseek_v4(model_dir_factory, loaded_factory) -> None:
+    """Same tokens as mlx-vlm's own generate until a decode step closes a pooling window.
+
+    From there on mlx-vlm pools that window without the previous one (see
+    dsv4_overlap); ours carries it, as a whole-prompt prefill does.
+    """
     from mlx_vlm.generate import generate_step
     from mlx_vlm.utils import load_model
 
     model = loaded_factory("deepseek_v4")
-    ids = model.tokenizer.encode(PROMPT)
-    ours = greedy_generate(model, ids, 12, stop_at_eos=False)
     vlm = load_model(model_dir_factory("deepseek_v4"))
-    theirs = [
-        int(tok)
-        for tok, _ in generate_step(
-            mx.array([ids]), vlm, None, None, max_tokens=12, temperature=0.0
-        )
-    ]
-    assert ours == theirs
+    ids = model.tokenizer.encode(PROMPT)
+    for length in (8, 13, len(ids)):
+        prompt = ids[:length]
+        steps_before_window_closes = 4 - length % 4
+        ours = greedy_generate(model, prompt, steps_before_window_closes, stop_at_eos=False)
+        theirs = [
+            int(tok)
+            for tok, _ in generate_step(
+                mx.array([prompt]),
+                vlm,
+                None,
+                None,
+                max_tokens=steps_before_window_closes,
+                temperature=0.0,
+            )
+        ]
+        assert ours == theirs
+
+
+def test_deepseek_v4_chunked_prefill_equals_whole_prompt(loaded_factory) -> None:
+    """The upstream compressor loses its overlap window at every call boundary; ours not."""
+    model = loaded_factory("deepseek_v4")
+    ids = (model.tokenizer.encode(PROMPT) * 12)[:150]
+
+    def logits_after(splits: list[int]) -> mx.array:
+        cache = model.make_cache()
+        start = 0
+        for size in splits:
+            logits = model.model.last_logits(mx.array([ids[start : start + size]]), cache)
+            start += size
+        assert start == len(ids)
+        return logits
+
+    whole = logits_after([150])
+    for splits in ([16] * 9 + [6], [7, 13, 130], [1] * 150):
+        assert mx.allclose(whole, logits_after(splits), atol=1e-4).item(), splits
 
 
 def test_load_errors_name_the_problem(tmp_path: Path, model_dir_factory) -> None:

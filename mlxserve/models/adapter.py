@@ -26,6 +26,10 @@ class ModelAdapter:
         self.module = module
         self.model_type = model_type
         self._is_vlm_v4 = model_type == "deepseek_v4"
+        if self._is_vlm_v4:
+            from mlxserve.models import dsv4_overlap
+
+            dsv4_overlap.install(module)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         out = self.module(inputs, cache=cache)
@@ -49,6 +53,10 @@ class ModelAdapter:
         return self(inputs, cache)[:, -1, :]
 
     def make_cache(self) -> list[Any]:
+        if self._is_vlm_v4:
+            from mlxserve.models import dsv4_overlap
+
+            return dsv4_overlap.make_cache(self.module)
         if hasattr(self.module, "make_cache"):
             return list(self.module.make_cache())
         from mlx_lm.models.cache import make_prompt_cache

@@ -110,8 +110,11 @@ def _deepseek_v4_config(layers: int, hidden: int) -> dict[str, Any]:
         "index_n_heads": 2,
         "index_head_dim": 16,
         "index_topk": 4,
-        "index_block": 4,
-        "index_keep": 2,
+        # HISA (mlx-vlm's hierarchical top-k shortcut for single-token steps)
+        # is an approximation that only starts past 1024 pooled entries on the
+        # real config; off here so decode and prefill select alike.
+        "index_block": 0,
+        "index_keep": 0,
         "tie_word_embeddings": False,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,

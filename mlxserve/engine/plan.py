@@ -1,0 +1,59 @@
+"""The typed objects passed between Scheduler and Runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.engine.request import Request
+from mlxserve.engine.sampling import SampledRow
+
+
+@dataclass
+class PrefillChunk:
+    """Feed prompt_ids[start:end] of `request`; `initial_cache` only on its first chunk."""
+
+    request: Request
+    start: int
+    end: int
+    initial_cache: list[Any] | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.request.num_prompt
+
+
+@dataclass
+class StepPlan:
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    decodes: list[Request] = field(default_factory=list)
+    # Requests that finished (or were aborted) since the last step: free their caches.
+    released: list[str] = field(default_factory=list)
+    snapshot_prompts: bool = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.prefills or self.decodes)
+
+
+@dataclass
+class Snapshot:
+    """A real copy of a cache that holds exactly `key_ids`."""
+
+    key_ids: list[int]
+    cache: list[Any]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    sampled: SampledRow | None = None
+    error: str | None = None
+    snapshot: Snapshot | None = None
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput] = field(default_factory=list)
+    prefill_tokens: int = 0
+    decode_tokens: int = 0

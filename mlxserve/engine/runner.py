@@ -1,0 +1,169 @@
+"""The only code that touches mlx arrays: prefill chunks, batched decode, sampling.
+
+Models whose caches are all plain `KVCache` decode as one batch (mlx-lm's
+`BatchKVCache`, left-padded). Other cache types (sliding-window, pooled,
+DeepSeek-V4.1 layer caches) cannot be merged by mlx-lm, so each such request
+decodes as its own batch of one.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
+from mlxserve.engine.request import Request
+from mlxserve.engine.sampling import (
+    SamplerState,
+    new_sampler_state,
+    record_token,
+    sample_rows,
+)
+from mlxserve.models.loaded import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+@dataclass
+class DecodeBatch:
+    """Requests decoding together over one batched cache (row i = request_ids[i])."""
+
+    request_ids: list[str] = field(default_factory=list)
+    cache: list[Any] = field(default_factory=list)
+
+    def add(self, request_id: str, cache: list[Any]) -> None:
+        merged = [BatchKVCache.merge([layer]) for layer in cache]
+        if not self.request_ids:
+            self.cache = merged
+        else:
+            for mine, theirs in zip(self.cache, merged, strict=True):
+                mine.extend(theirs)
+        self.request_ids.append(request_id)
+
+    def remove(self, request_ids: set[str]) -> None:
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in request_ids]
+        if len(keep) == len(self.request_ids):
+            return
+        self.request_ids = [self.request_ids[i] for i in keep]
+        if not keep:
+            self.cache = []
+            return
+        for layer in self.cache:
+            layer.filter(keep)
+
+
+class Runner:
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+        probe = model.make_cache()
+        self.batchable = bool(probe) and all(type(layer) is KVCache for layer in probe)
+        if not self.batchable:
+            kinds = sorted({type(layer).__name__ for layer in probe})
+            logger.warning(
+                "%s caches (%s) cannot be merged into one batch by mlx-lm: each request "
+                "decodes as its own batch (correct, but decode does not scale with batch size)",
+                model.model_type,
+                ", ".join(kinds),
+            )
+        self.caches: dict[str, list[Any]] = {}
+        self.batch = DecodeBatch()
+        self.samplers: dict[str, SamplerState] = {}
+
+    # -- lifecycle ----------------------------------------------------------
+    def release(self, request_ids: list[str]) -> None:
+        if not request_ids:
+            return
+        gone = set(request_ids)
+        self.batch.remove(gone)
+        for request_id in gone:
+            self.caches.pop(request_id, None)
+            self.samplers.pop(request_id, None)
+
+    def run(self, plan: StepPlan) -> StepResult:
+        self.release(plan.released)
+        result = StepResult()
+        if plan.decodes:
+            self._decode(plan.decodes, result)
+        for chunk in plan.prefills:
+            self._prefill(chunk, plan.snapshot_prompts, result)
+        return result
+
+    # -- prefill ------------------------------------------------------------
+    def _prefill(self, chunk: PrefillChunk, snapshot: bool, result: StepResult) -> None:
+        request = chunk.request
+        rid = request.request_id
+        try:
+            cache = self.caches.get(rid)
+            if cache is None:
+                cache = chunk.initial_cache or self.model.make_cache()
+                self.caches[rid] = cache
+                self.samplers[rid] = new_sampler_state(request.params, request.prompt_ids)
+            tokens = mx.array([request.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
+            logits = self.model.model.last_logits(tokens, cache)
+            result.prefill_tokens += chunk.end - chunk.start
+            if not chunk.is_last:
+                mx.eval(logits)
+                return
+            output = RequestOutput(rid)
+            output.sampled = self._sample(logits, [request])[0]
+            if snapshot:
+                output.snapshot = self._snapshot(request, cache)
+            result.outputs.append(output)
+            if self.batchable:
+                self.batch.add(rid, self.caches.pop(rid))
+        except Exception as e:  # a failing step fails its request, not the engine
+            logger.exception("prefill failed for request %s", rid)
+            self.release([rid])
+            result.outputs.append(RequestOutput(rid, error=_describe(e)))
+
+    def _snapshot(self, request: Request, cache: list[Any]) -> Snapshot | None:
+        from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache
+
+        try:
+            return Snapshot(list(request.prompt_ids), copy_cache(cache))
+        except UnsupportedCacheError:
+            logger.warning("prefix cache disabled for this request: cache type unsupported")
+            return None
+
+    # -- decode -------------------------------------------------------------
+    def _decode(self, requests: list[Request], result: StepResult) -> None:
+        if self.batchable:
+            by_id = {r.request_id: r for r in requests}
+            ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
+            self._decode_group(ordered, self.batch.cache, result)
+        else:
+            for request in requests:
+                self._decode_group([request], self.caches[request.request_id], result)
+
+    def _decode_group(self, requests: list[Request], cache: list[Any], result: StepResult) -> None:
+        try:
+            if self.batchable and len(requests) != len(self.batch.request_ids):
+                raise RuntimeError("decode batch out of step with the scheduler")
+            inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
+            logits = self.model.model.last_logits(inputs, cache)
+            rows = self._sample(logits, requests)
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("decode step failed for %d request(s)", len(requests))
+            self.release([r.request_id for r in requests])
+            for request in requests:
+                result.outputs.append(RequestOutput(request.request_id, error=_describe(e)))
+            return
+        result.decode_tokens += len(requests)
+        for request, row in zip(requests, rows, strict=True):
+            result.outputs.append(RequestOutput(request.request_id, sampled=row))
+
+    def _sample(self, logits: mx.array, requests: list[Request]):
+        states = [self.samplers[r.request_id] for r in requests]
+        params = [r.params for r in requests]
+        rows = sample_rows(logits, params, states)
+        for request, state, row in zip(requests, states, rows, strict=True):
+            record_token(state, request.params, row.token)
+        return rows

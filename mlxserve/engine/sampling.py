@@ -1,0 +1,136 @@
+"""Per-request logits processing and sampling, one row of a batch at a time.
+
+Each request owns its random key (seeded or drawn at admission) and splits it
+once per step, so a seeded request draws the same tokens alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import cast
+
+import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from mlxserve.engine.request import SamplingParams
+
+
+def int_list(array: mx.array) -> list[int]:
+    """A 1-D integer array as Python ints (mlx's stubs type tolist() loosely)."""
+    return cast(list[int], array.tolist())
+
+
+@dataclass
+class SamplerState:
+    """What sampling needs to remember between the steps of one request."""
+
+    key: mx.array
+    output_counts: Counter[int] = field(default_factory=Counter)
+    seen: set[int] = field(default_factory=set)
+    seen_array: mx.array | None = None
+    seen_dirty: bool = True
+    bias_ids: mx.array | None = None
+    bias_values: mx.array | None = None
+
+
+def new_sampler_state(params: SamplingParams, prompt_ids: list[int]) -> SamplerState:
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    state = SamplerState(key=mx.random.key(seed))
+    if params.repetition_penalty != 1.0:
+        state.seen.update(prompt_ids)
+    if params.logit_bias:
+        state.bias_ids = mx.array([token for token, _ in params.logit_bias], dtype=mx.int32)
+        state.bias_values = mx.array([value for _, value in params.logit_bias], dtype=mx.float32)
+    return state
+
+
+def record_token(state: SamplerState, params: SamplingParams, token: int) -> None:
+    if params.presence_penalty or params.frequency_penalty:
+        state.output_counts[token] += 1
+    if params.repetition_penalty != 1.0 and token not in state.seen:
+        state.seen.add(token)
+        state.seen_dirty = True
+
+
+def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
+    """Penalties and logit bias on one (1, V) row of logits."""
+    row = row.astype(mx.float32)
+    if params.repetition_penalty != 1.0 and state.seen:
+        if state.seen_dirty or state.seen_array is None:
+            state.seen_array = mx.array(sorted(state.seen), dtype=mx.int32)
+            state.seen_dirty = False
+        picked = row[:, state.seen_array]
+        penalty = params.repetition_penalty
+        row[:, state.seen_array] = mx.where(picked > 0, picked / penalty, picked * penalty)
+    if state.output_counts and (params.presence_penalty or params.frequency_penalty):
+        ids = mx.array(list(state.output_counts), dtype=mx.int32)
+        counts = mx.array(list(state.output_counts.values()), dtype=mx.float32)
+        row[:, ids] = row[:, ids] - (params.presence_penalty + params.frequency_penalty * counts)
+    if state.bias_ids is not None and state.bias_values is not None:
+        row[:, state.bias_ids] = row[:, state.bias_ids] + state.bias_values
+    return row
+
+
+def _draw(logprobs: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
+    scaled = logprobs * (1.0 / params.temperature)
+    if params.top_k > 0:
+        scaled = apply_top_k(scaled, params.top_k)
+    if params.min_p > 0:
+        scaled = apply_min_p(scaled, params.min_p)
+    if params.top_p < 1.0:
+        scaled = apply_top_p(scaled, params.top_p)
+    state.key, sub = mx.random.split(state.key)
+    return mx.random.categorical(scaled, key=sub)
+
+
+@dataclass(frozen=True)
+class SampledRow:
+    token: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...] | None
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    return (
+        params.greedy and not params.needs_history and not params.logit_bias and not params.logprobs
+    )
+
+
+def sample_rows(
+    logits: mx.array, params_list: list[SamplingParams], states: list[SamplerState]
+) -> list[SampledRow]:
+    """Pick one token per row of (B, V) logits; one mx.eval for the whole batch."""
+    if all(_plain_greedy(p) for p in params_list):
+        tokens = int_list(mx.argmax(logits, axis=-1))
+        return [SampledRow(t, None, None) for t in tokens]
+    picked: list[mx.array] = []
+    logprob_rows: list[mx.array | None] = []
+    for index, (params, state) in enumerate(zip(params_list, states, strict=True)):
+        row = _process(logits[index : index + 1], params, state)
+        logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
+        token = mx.argmax(logprobs, axis=-1) if params.greedy else _draw(logprobs, params, state)
+        picked.append(token.reshape(1))
+        logprob_rows.append(logprobs[0] if params.logprobs else None)
+    tokens_array = mx.concatenate(picked)
+    mx.eval(tokens_array, *[r for r in logprob_rows if r is not None])
+    return [
+        _with_logprobs(token_id, params, row_logprobs)
+        for token_id, params, row_logprobs in zip(
+            int_list(tokens_array), params_list, logprob_rows, strict=True
+        )
+    ]
+
+
+def _with_logprobs(token: int, params: SamplingParams, logprobs: mx.array | None) -> SampledRow:
+    if logprobs is None:
+        return SampledRow(token, None, None)
+    chosen = cast(float, logprobs[token].item())
+    top: tuple[tuple[int, float], ...] | None = None
+    if params.top_logprobs > 0:
+        order = mx.argpartition(-logprobs, params.top_logprobs - 1)[: params.top_logprobs]
+        values = logprobs[order]
+        pairs = zip(int_list(order), cast(list[float], values.tolist()), strict=True)
+        top = tuple(sorted(pairs, key=lambda pair: -pair[1]))
+    return SampledRow(token, chosen, top)

@@ -1,0 +1,126 @@
+"""DeepSeek-V4 overlap compression that carries the previous window across calls.
+
+mlx-vlm 0.7.10's ratio-4 compressor pools each window of 4 tokens together
+with the first half of the window before it, but only for windows inside one
+call: the first window of every call (each prefill chunk, every window that a
+decode step completes, the remainder after a prefix-cache hit) sees zeros
+instead. A prompt fed whole and the same prompt fed in chunks then produce
+different logits, so chunked prefill and prefix-cache reuse would change the
+output. DeepSeek's reference keeps the previous window in the compressor
+state; this module does the same with our own small classes:
+
+- `CarryingPoolingCache`: mlx-vlm's `PoolingCache` plus the last complete
+  window (raw kv and gate), part of its `state`, so snapshots keep it.
+- `CarryingCompressor`: wraps a model's `Compressor` module (its weights, norm
+  and rope are reused) and pools with the carried window in front.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_vlm.models.cache import CacheList, PoolingCache
+
+
+class CarryingPoolingCache(PoolingCache):
+    def __init__(self, ratio: int) -> None:
+        super().__init__(ratio)
+        self.carry_kv: mx.array | None = None
+        self.carry_gate: mx.array | None = None
+
+    @property
+    def state(self) -> tuple[Any, ...]:
+        return (*super().state, self.carry_kv, self.carry_gate)
+
+    @state.setter
+    def state(self, value: tuple[Any, ...]) -> None:
+        *base, carry_kv, carry_gate = value
+        PoolingCache.state.fset(self, tuple(base))  # type: ignore[attr-defined]
+        self.carry_kv, self.carry_gate = carry_kv, carry_gate
+
+    @property
+    def nbytes(self) -> int:
+        arrays = (*super().state, self.carry_kv, self.carry_gate)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+
+def overlap_pool(kv: mx.array, gate: mx.array, ape: mx.array) -> mx.array:
+    """Pool windows (B, N, R, 2D) -> (B, N, D); window i also sees window i-1's first half.
+
+    Window 0 sees no predecessor (zeros with -inf gate), as at a sequence start.
+    """
+    batch, _, ratio, width = kv.shape
+    half = width // 2
+    gate = gate + ape.astype(gate.dtype)
+    kv_a, kv_b = mx.split(kv, 2, axis=-1)
+    gate_a, gate_b = mx.split(gate, 2, axis=-1)
+    kv_a = mx.concatenate([mx.zeros((batch, 1, ratio, half), kv.dtype), kv_a[:, :-1]], axis=1)
+    gate_a = mx.concatenate(
+        [mx.full((batch, 1, ratio, half), -mx.inf, dtype=gate.dtype), gate_a[:, :-1]], axis=1
+    )
+    merged_kv = mx.concatenate([kv_a, kv_b], axis=2)
+    weights = mx.softmax(mx.concatenate([gate_a, gate_b], axis=2), axis=-2, precise=True)
+    return (merged_kv * weights.astype(merged_kv.dtype)).sum(axis=-2)
+
+
+class CarryingCompressor(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
+        inner = self.inner
+        if not isinstance(pool_cache, CarryingPoolingCache):
+            return inner(x, pool_cache, offset)
+        kv = inner.wkv(x)
+        gate = inner.wgate(x)
+        ready_kv, ready_gate, pool_base = pool_cache.accumulate_windows(kv, gate, offset)
+        if ready_kv.size == 0:
+            empty = mx.zeros((x.shape[0], 0, inner.head_dim), dtype=x.dtype)
+            return pool_cache.update_and_fetch(empty)
+        ratio = inner.compress_ratio
+        windows_kv = mx.unflatten(ready_kv, 1, (-1, ratio))
+        windows_gate = mx.unflatten(ready_gate, 1, (-1, ratio))
+        carry_kv, carry_gate = pool_cache.carry_kv, pool_cache.carry_gate
+        carried = carry_kv is not None and carry_gate is not None
+        if carry_kv is not None and carry_gate is not None:
+            windows_kv = mx.concatenate([carry_kv[:, None], windows_kv], axis=1)
+            windows_gate = mx.concatenate([carry_gate[:, None], windows_gate], axis=1)
+        pooled = overlap_pool(windows_kv, windows_gate, inner.ape)
+        if carried:
+            pooled = pooled[:, 1:]
+        # Real copies: the pooling buffer is written again by the next call.
+        pool_cache.carry_kv = mx.contiguous(windows_kv[:, -1]) + 0
+        pool_cache.carry_gate = mx.contiguous(windows_gate[:, -1]) + 0
+        pooled = inner.norm(pooled)
+        pooled = inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
+        return pool_cache.update_and_fetch(pooled)
+
+
+def install(language_model: Any) -> int:
+    """Wrap every overlapping compressor of an mlx-vlm DeepSeek-V4 language model."""
+    wrapped = 0
+    for layer in language_model.layers:
+        attention = layer.attn
+        owners = [attention, getattr(attention, "indexer", None)]
+        for owner in (o for o in owners if o is not None):
+            compressor = getattr(owner, "compressor", None)
+            if compressor is not None and getattr(compressor, "overlap", False):
+                owner.compressor = CarryingCompressor(compressor)
+                wrapped += 1
+    return wrapped
+
+
+def make_cache(language_model: Any) -> list[Any]:
+    """The model's own cache layout, with ratio-4 pooling caches that carry a window."""
+    return [_convert(cache) for cache in language_model.make_cache()]
+
+
+def _convert(cache: Any) -> Any:
+    if isinstance(cache, CacheList):
+        return CacheList(*(_convert(child) for child in cache.caches))
+    if type(cache) is PoolingCache and cache.ratio == 4:
+        return CarryingPoolingCache(cache.ratio)
+    return cache
