@@ -13,7 +13,6 @@ from mlxserve.models.loaded import LoadedModel, ModelLoadError
 logger = logging.getLogger(__name__)
 
 VLM_TYPES = frozenset({"deepseek_v4"})
-PROGRAMMATIC_ENCODERS = {"deepseek_v4": "deepseek_v4", "deepseek_v41": "deepseek_v41"}
 
 
 def read_config(path: Path) -> dict[str, Any]:
@@ -75,16 +74,16 @@ def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
     return frozenset(ids)
 
 
-def choose_chat_encoder(model_type: str, override: str = "auto") -> str:
-    if override != "auto":
-        return override
-    return PROGRAMMATIC_ENCODERS.get(model_type, "template")
-
-
 def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
     """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem."""
+    from mlxserve.chat.render import choose_encoder
+
     path = Path(path)
     config = read_config(path)
+    try:
+        encoder = choose_encoder(config["model_type"], chat_encoder)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     _check_files(path)
     model_type = config["model_type"]
     logger.info("loading %s model from %s", model_type, path)
@@ -102,7 +101,7 @@ def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
         config=config,
         make_cache=adapter.make_cache,
         eos_token_ids=_eos_ids(tokenizer, config),
-        chat_encoder=choose_chat_encoder(model_type, chat_encoder),
+        chat_encoder=encoder,
         vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
     )
     _check_renderable(loaded)
@@ -111,15 +110,6 @@ def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
 
 
 def _check_renderable(model: LoadedModel) -> None:
-    if model.chat_encoder != "template":
-        return
-    try:
-        from mlxserve.chat.template import check_renderable
-    except ImportError:
-        if getattr(model.tokenizer, "chat_template", None) is None:
-            raise ModelLoadError(
-                f"{model.path} has no chat template and model_type {model.model_type!r} "
-                "has no built-in prompt encoder; pass --chat-encoder"
-            ) from None
-        return
+    from mlxserve.chat.template import check_renderable
+
     check_renderable(model)
