@@ -65,43 +65,43 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------
     def schedule(self) -> StepPlan:
+        """Decode every running request; spend the prefill budget shortest-prompt-first.
+
+        Shortest-remaining-first lets a short request that arrives behind a long
+        prompt be prefilled in the next step instead of after the whole prefill.
+        """
         plan = StepPlan(released=self._released, snapshot_prompts=self.prefix_cache is not None)
         self._released = []
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            self._admit(self.waiting.popleft())
+        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        prefilling.sort(key=lambda r: r.prefill_remaining)
         budget = self.config.max_prefill_tokens
-        for request in self.running:
+        for request in prefilling:
             if budget <= 0:
                 break
-            if request.status == RequestStatus.PREFILLING:
-                budget -= self._plan_chunk(plan, request, budget)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.popleft()
-            initial_cache = self._admit(request)
-            budget -= self._plan_chunk(plan, request, budget, initial_cache)
+            size = min(budget, request.prefill_remaining)
+            start = request.num_computed
+            plan.prefills.append(PrefillChunk(request, start, start + size, request.cache))
+            request.cache = None
+            request.num_computed += size
+            budget -= size
         return plan
 
-    def _admit(self, request: Request) -> list | None:
+    def _admit(self, request: Request) -> None:
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
         self._remember(request)
         self.counters.prompt_tokens += request.num_prompt
         if self.prefix_cache is None:
-            return None
+            return
         hit = self.prefix_cache.lookup(request.prompt_ids)
         if hit is None:
-            return None
+            return
         request.num_computed = hit.key_len
         request.cached_tokens = hit.key_len
-        return hit.cache
-
-    def _plan_chunk(
-        self, plan: StepPlan, request: Request, budget: int, initial_cache: list | None = None
-    ) -> int:
-        size = min(budget, request.prefill_remaining)
-        start = request.num_computed
-        plan.prefills.append(PrefillChunk(request, start, start + size, initial_cache))
-        request.num_computed += size
-        return size
+        request.cache = hit.cache
 
     # -- results ------------------------------------------------------------
     def update(self, result: StepResult) -> list[TokenEvent]:
