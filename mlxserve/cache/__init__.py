@@ -1,1 +1,25 @@
-"""cache stage (see DESIGN.md)."""
+"""cache stage (see DESIGN.md): snapshot copies of model caches and the prefix cache."""
+
+from mlxserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit
+from mlxserve.cache.snapshot import (
+    UnsupportedCacheError,
+    cache_nbytes,
+    cache_offset,
+    copy_cache,
+    is_trimmable,
+    tracked_offset,
+    trim_cache,
+)
+
+__all__ = [
+    "PrefixCache",
+    "PrefixCacheStats",
+    "PrefixHit",
+    "UnsupportedCacheError",
+    "cache_nbytes",
+    "cache_offset",
+    "copy_cache",
+    "is_trimmable",
+    "tracked_offset",
+    "trim_cache",
+]

@@ -1,0 +1,297 @@
+"""Prefix cache: a radix trie from token-id prefixes to cache snapshots, LRU in bytes.
+
+Semantics (DESIGN.md rule 3 and 4):
+
+- An entry's key is exactly the tokens its snapshot holds.
+- `lookup` returns the longest entry whose key is a *strict* prefix of the
+  prompt, so at least the last prompt token is always fed to get logits, and
+  `remaining` is exactly the tokens the returned cache does not hold.
+- `insert` of a key supersedes every entry whose key is a prefix of it (and an
+  identical key): a conversation that grows turn by turn keeps one entry.
+- The budget is bytes *and* entries; least recently used entries go first.
+  After any insert, the held bytes never exceed `max_bytes`.
+
+Only the engine's owner thread calls `lookup`/`insert`/`clear`; `stats()` may
+be called from any thread (state changes and stats reads share a lock).
+
+Keys are stored as packed int32 bytes on the edges of a compressed trie, so a
+lookup is one walk over the prompt (C-speed `bytes.startswith` per edge) and a
+30k-token key costs 120 KB, shared with every key it has a common prefix with.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxserve.cache.snapshot import cache_nbytes, copy_cache, tracked_offset
+
+__all__ = ["PrefixCache", "PrefixCacheStats", "PrefixHit"]
+
+_TOKEN = 4  # bytes per token id in a packed key
+assert array("i").itemsize == _TOKEN
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A reusable cache for the first `key_len` prompt tokens."""
+
+    key_len: int
+    cache: list[Any]  # a fresh copy: the caller may write into it
+    remaining: list[int]  # prompt_ids[key_len:], never empty
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    hits: int
+    misses: int
+    tokens_reused: int
+    bytes: int
+    entries: int
+    evictions: int  # removed to fit the byte or entry budget
+    superseded: int  # removed because a longer (or identical) key replaced them
+    inserts: int  # entries stored (rejected inserts are not counted)
+    rejected: int  # inserts not stored (larger than the whole budget, or empty key)
+
+
+@dataclass
+class _Entry:
+    snapshot: list[Any]
+    nbytes: int
+    key_len: int
+
+
+class _Node:
+    """A trie node; `label` is the packed key bytes on the edge from its parent."""
+
+    __slots__ = ("children", "entry", "label", "parent")
+
+    def __init__(self, label: bytes, parent: _Node | None) -> None:
+        self.label = label
+        self.parent = parent
+        self.children: dict[bytes, _Node] = {}
+        self.entry: _Entry | None = None
+
+
+def _pack(ids: Sequence[int]) -> bytes:
+    try:
+        return array("i", ids).tobytes()
+    except OverflowError as e:
+        raise ValueError("token ids must fit in a signed 32-bit integer") from e
+
+
+def _common_bytes(label: bytes, key: bytes, pos: int) -> int:
+    """Bytes (whole tokens) that `label` shares with `key[pos:]`; the first token matches."""
+    most = min(len(label), len(key) - pos) // _TOKEN
+    view = memoryview(label)
+    if key.startswith(view[: most * _TOKEN], pos):
+        return most * _TOKEN
+    lo, hi = 1, most - 1  # lo tokens match; more than hi do not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key.startswith(view[: mid * _TOKEN], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * _TOKEN
+
+
+class _Trie:
+    """Compressed trie over packed keys. Nodes holding entries keep their identity."""
+
+    def __init__(self) -> None:
+        self.root = _Node(b"", None)
+
+    def longest_strict_prefix(self, key: bytes) -> _Node | None:
+        """The deepest node with an entry whose key is a strict prefix of `key`."""
+        node, pos, best = self.root, 0, None
+        limit = len(key) - _TOKEN  # a strict prefix leaves at least one token
+        while pos < limit:
+            child = node.children.get(key[pos : pos + _TOKEN])
+            if child is None or pos + len(child.label) > limit:
+                break
+            if not key.startswith(child.label, pos):
+                break
+            node, pos = child, pos + len(child.label)
+            if node.entry is not None:
+                best = node
+        return best
+
+    def node_for(self, key: bytes) -> tuple[_Node, list[_Node]]:
+        """Find or make the node for `key`; also the entry nodes on strict prefixes."""
+        node, pos = self.root, 0
+        prefixes: list[_Node] = []
+        while pos < len(key):
+            head = key[pos : pos + _TOKEN]
+            child = node.children.get(head)
+            if child is None:
+                leaf = _Node(key[pos:], node)
+                node.children[head] = leaf
+                return leaf, prefixes
+            common = _common_bytes(child.label, key, pos)
+            if common < len(child.label):
+                child = self._split(child, common)
+            node, pos = child, pos + common
+            if pos < len(key) and node.entry is not None:
+                prefixes.append(node)
+        return node, prefixes
+
+    @staticmethod
+    def _split(node: _Node, at: int) -> _Node:
+        """Put a new node `at` bytes down `node`'s edge; `node` keeps its identity."""
+        parent = node.parent
+        assert parent is not None
+        mid = _Node(node.label[:at], parent)
+        parent.children[node.label[:_TOKEN]] = mid
+        node.label = node.label[at:]
+        node.parent = mid
+        mid.children[node.label[:_TOKEN]] = node
+        return mid
+
+    def remove(self, node: _Node) -> None:
+        """Drop `node`'s entry and prune nodes that no longer branch or hold one."""
+        node.entry = None
+        while node is not self.root and node.entry is None:
+            parent = node.parent
+            assert parent is not None
+            head = node.label[:_TOKEN]
+            if not node.children:
+                del parent.children[head]
+                node = parent
+                continue
+            if len(node.children) == 1:
+                (only,) = node.children.values()
+                only.label = node.label + only.label
+                only.parent = parent
+                parent.children[head] = only
+            break
+
+
+class PrefixCache:
+    """Token-prefix -> cache-snapshot store with an LRU byte and entry budget.
+
+    `copy` makes the private copy a hit hands out (default: `copy_cache`).
+    `offset` reads how many tokens a snapshot holds, to check it against its
+    key on insert (default: `tracked_offset`; None skips the check, e.g. for
+    opaque test snapshots).
+    """
+
+    def __init__(
+        self,
+        max_bytes: int,
+        max_entries: int,
+        *,
+        copy: Callable[[list[Any]], list[Any]] = copy_cache,
+        offset: Callable[[list[Any]], int | None] | None = tracked_offset,
+    ) -> None:
+        if max_bytes < 0 or max_entries < 0:
+            raise ValueError("max_bytes and max_entries must be >= 0")
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self._copy = copy
+        self._offset = offset
+        self._lock = threading.Lock()
+        self._trie = _Trie()
+        self._lru: OrderedDict[_Node, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._hits = self._misses = self._tokens_reused = 0
+        self._evictions = self._superseded = self._inserts = self._rejected = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def peek(self, prompt_ids: Sequence[int]) -> int:
+        """The key length `lookup` would reuse (0 for none), without side effects."""
+        with self._lock:
+            node = self._trie.longest_strict_prefix(_pack(prompt_ids))
+            return 0 if node is None or node.entry is None else node.entry.key_len
+
+    def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
+        """The longest entry whose key is a strict prefix of the prompt, as a fresh copy."""
+        key = _pack(prompt_ids)
+        with self._lock:
+            node = self._trie.longest_strict_prefix(key)
+            if node is None or node.entry is None:
+                self._misses += 1
+                return None
+            entry = node.entry
+            self._lru.move_to_end(node)
+            self._hits += 1
+            self._tokens_reused += entry.key_len
+        # A stored snapshot is never written to, so copying it needs no lock.
+        cache = self._copy(entry.snapshot)
+        return PrefixHit(entry.key_len, cache, list(prompt_ids[entry.key_len :]))
+
+    def insert(
+        self, key_ids: Sequence[int], snapshot: list[Any], nbytes: int | None = None
+    ) -> bool:
+        """Store `snapshot` (holding exactly `key_ids`); True if it was stored.
+
+        The caller passes a snapshot it will not write to again, normally
+        `copy_cache(live_cache)` taken when the cache covered exactly `key_ids`;
+        it is stored as is, not copied. `nbytes` defaults to `cache_nbytes`.
+        An entry larger than `max_bytes` (or an empty key) is not stored and
+        leaves the cache unchanged.
+        """
+        if self._offset is not None:
+            held = self._offset(snapshot)
+            if held is not None and held != len(key_ids):
+                raise ValueError(f"snapshot holds {held} tokens but its key has {len(key_ids)}")
+        size = cache_nbytes(snapshot) if nbytes is None else nbytes
+        if size < 0:
+            raise ValueError("nbytes must be >= 0")
+        key = _pack(key_ids)
+        with self._lock:
+            if not key or size > self.max_bytes or self.max_entries == 0:
+                self._rejected += 1
+                return False
+            node, prefixes = self._trie.node_for(key)
+            if node.entry is not None:  # identical key: replace in place
+                self._bytes -= self._lru.pop(node).nbytes
+                self._superseded += 1
+            for old in prefixes:  # removing an ancestor never detaches `node`
+                self._drop(old)
+                self._superseded += 1
+            node.entry = _Entry(snapshot, size, len(key_ids))
+            self._lru[node] = node.entry
+            self._bytes += size
+            self._inserts += 1
+            while self._bytes > self.max_bytes or len(self._lru) > self.max_entries:
+                self._drop(next(iter(self._lru)))
+                self._evictions += 1
+        return True
+
+    def _drop(self, node: _Node) -> None:
+        entry = self._lru.pop(node)
+        self._bytes -= entry.nbytes
+        self._trie.remove(node)
+
+    def clear(self) -> None:
+        """Drop every entry (the hit/miss/eviction counters are kept)."""
+        with self._lock:
+            self._trie = _Trie()
+            self._lru.clear()
+            self._bytes = 0
+
+    def stats(self) -> PrefixCacheStats:
+        """A consistent snapshot of the counters; safe from any thread."""
+        with self._lock:
+            return PrefixCacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                tokens_reused=self._tokens_reused,
+                bytes=self._bytes,
+                entries=len(self._lru),
+                evictions=self._evictions,
+                superseded=self._superseded,
+                inserts=self._inserts,
+                rejected=self._rejected,
+            )
