@@ -1,0 +1,121 @@
+"""The FastAPI application: routes, auth, error handlers, engine lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
+from mlxserve.api.handlers import ClientGone, chat_completions, completions
+from mlxserve.api.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[ServerState, Request], Awaitable[Response]]
+
+
+def create_app(state: ServerState, start_engine: bool = True) -> FastAPI:
+    """Build the app; its lifespan starts the engine (inside the running loop) and stops it."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        progress: asyncio.Task[None] | None = None
+        if start_engine:
+            state.engine.start()
+            progress = asyncio.create_task(report_loading(state))
+        try:
+            yield
+        finally:
+            if progress is not None:
+                progress.cancel()
+            await state.engine.shutdown()
+
+    app = FastAPI(title="mlxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    install_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    _add_routes(app, state)
+    return app
+
+
+async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
+    """Log load progress until the model is ready (or failed); /health says 503 meanwhile."""
+    start = time.monotonic()
+    logger.info("loading the model on the engine thread ...")
+    next_report = every_s
+    while not state.engine.ready and state.engine.load_error is None:
+        await asyncio.sleep(0.1)
+        elapsed = time.monotonic() - start
+        if elapsed >= next_report:
+            logger.info("still loading the model (%.0f s)", elapsed)
+            next_report += every_s
+    if state.engine.load_error is not None:
+        logger.error("the model failed to load: %s", state.engine.load_error)
+    else:
+        logger.info("model ready in %.1f s", time.monotonic() - start)
+
+
+async def _generate(state: ServerState, request: Request, kind: str, handler: Handler) -> Response:
+    check_api_key(request, state.config.api_key)
+    try:
+        return await handler(state, request)
+    except APIError as e:
+        state.metrics.count_request(kind, str(e.status))
+        raise
+    except ClientGone:
+        logger.info("client disconnected; request aborted")
+        return Response(status_code=499)
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    created = int(time.time())
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request) -> Response:
+        return await _generate(state, request, "chat", chat_completions)
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request) -> Response:
+        return await _generate(state, request, "text", completions)
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> dict[str, Any]:
+        check_api_key(request, state.config.api_key)
+        card: dict[str, Any] = {
+            "id": state.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "mlxserve",
+        }
+        if state.engine.ready:
+            card["max_model_len"] = state.context_limit(state.engine.model)
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def _health() -> JSONResponse:
+        error = state.engine.load_error
+        if error is not None:
+            return JSONResponse({"status": "error", "error": error}, status_code=503)
+        if not state.engine.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/cache/stats")
+    async def _cache_stats(request: Request) -> dict[str, Any]:
+        check_api_key(request, state.config.api_key)
+        stats = state.engine.stats()
+        cache = dict(stats.get("prefix_cache") or {})
+        cache["enabled"] = bool(stats.get("prefix_cache"))
+        return cache
+
+    @app.get("/metrics")
+    async def _metrics() -> PlainTextResponse:
+        text = state.metrics.render(state.engine.stats(), state.engine.ready)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

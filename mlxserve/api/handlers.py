@@ -1,0 +1,292 @@
+"""The generation endpoints: chat completions and text completions.
+
+A request is validated, rendered to token ids (in a worker thread: long
+prompts take milliseconds to tokenize), submitted to the engine, and its
+token events run through the output pipeline. Streaming sends SSE chunks;
+non-streaming folds the same deltas. A client that goes away aborts its
+engine request at once (streaming: Starlette cancels the generator;
+non-streaming: a watcher on the ASGI receive channel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from mlxserve.api.detok import CONTEXT_TOKENS
+from mlxserve.api.errors import APIError, error_body
+from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
+from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
+from mlxserve.api.state import ServerState
+from mlxserve.api.stream import (
+    DONE,
+    ResponseMeta,
+    chat_delta_chunk,
+    chat_response,
+    chat_role_chunk,
+    finish_chunk,
+    sse,
+    text_delta_chunk,
+    text_response,
+    usage_chunk,
+)
+from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
+from mlxserve.engine.request import TokenEvent
+from mlxserve.models.loaded import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its non-streaming answer was ready."""
+
+
+def thinking_mode(prompt_text: str, model: LoadedModel) -> bool:
+    """Whether the model starts its answer inside reasoning.
+
+    DeepSeek prompts end with `<think>` (thinking) or `</think>` (chat);
+    Qwen3 templates leave thinking on unless they closed an empty block.
+    """
+    tail = prompt_text.rstrip()
+    if tail.endswith("<think>"):
+        return True
+    if tail.endswith("</think>"):
+        return False
+    return model.chat_encoder == "template" and model.model_type.startswith("qwen3")
+
+
+class _GuardedStream(StreamingResponse):
+    """A streaming response that aborts its engine request however it ends.
+
+    Starlette never starts the body generator when the client is gone before
+    the response starts; the guard still frees the engine slot then.
+    """
+
+    def __init__(self, run: GenerationRun) -> None:
+        super().__init__(run.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+        self._run = run
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._run.abort_if_running()
+
+
+class GenerationRun:
+    """One submitted request: its engine events, pipeline, and response shape."""
+
+    def __init__(
+        self,
+        state: ServerState,
+        meta: ResponseMeta,
+        pipeline: OutputPipeline,
+        events: AsyncIterator[TokenEvent],
+        arrival: float,
+    ) -> None:
+        self.state = state
+        self.meta = meta
+        self.pipeline = pipeline
+        self.events = events
+        self.arrival = arrival
+        self.outcome = "aborted"
+        self.engine_finished = False
+        self._aborted = False
+
+    async def deltas(self) -> AsyncIterator[OutputDelta]:
+        """Pipeline output until the request finishes; aborts it if left early."""
+        first = True
+        try:
+            async for event in self.events:
+                self.engine_finished = event.finished
+                if first and event.token_id is not None:
+                    first = False
+                    self.state.metrics.observe_ttft(time.monotonic() - self.arrival)
+                delta = self.pipeline.step(event)
+                if not delta.empty:
+                    yield delta
+                if self.pipeline.done:
+                    break
+            self.outcome = "ok" if self.pipeline.done else "aborted"
+        except EngineRequestFailed:
+            self.outcome = "error"
+            raise
+        finally:
+            await self._close()
+
+    def abort_if_running(self) -> None:
+        if not self.engine_finished and not self._aborted:
+            self._aborted = True
+            self.state.engine.abort(self.meta.id)
+
+    async def _close(self) -> None:
+        self.abort_if_running()
+        closer = getattr(self.events, "aclose", None)
+        if closer is not None:
+            with anyio.CancelScope(shield=True):
+                await closer()
+        u = self.pipeline.usage
+        m = self.state.metrics
+        m.count_tokens(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        m.count_request(self.meta.kind, self.outcome)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        meta = self.meta
+        if meta.kind == "chat":
+            yield sse(chat_role_chunk(meta))
+        offset = 0
+        try:
+            async for delta in self.deltas():
+                if meta.kind == "chat":
+                    chunk = chat_delta_chunk(meta, delta)
+                else:
+                    chunk = text_delta_chunk(meta, delta, offset)
+                    offset += len(delta.content)
+                if chunk is not None:
+                    yield sse(chunk)
+                if delta.finish_reason is not None:
+                    yield sse(finish_chunk(meta, delta.finish_reason))
+        except EngineRequestFailed as e:
+            yield sse(error_body(str(e), "server_error", code="generation_failed"))
+        if meta.include_usage:
+            yield sse(usage_chunk(meta, self.pipeline.usage))
+        yield DONE
+
+    async def collect(self) -> dict[str, Any]:
+        acc = Accumulator()
+        try:
+            async for delta in self.deltas():
+                acc.add(delta)
+        except EngineRequestFailed as e:
+            raise APIError(500, str(e), type="server_error", code="generation_failed") from e
+        build = chat_response if self.meta.kind == "chat" else text_response
+        return build(self.meta, acc, self.pipeline.usage)
+
+    async def respond(self, request: Request, stream: bool) -> Response:
+        if stream:
+            return _GuardedStream(self)
+        body = await _until_disconnect(request, self.collect())
+        return JSONResponse(body)
+
+
+async def _until_disconnect(request: Request, work: Any) -> dict[str, Any]:
+    """Run `work`; cancel it (aborting the engine request) if the client disconnects."""
+    task: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _render(model: LoadedModel, req: ChatCompletionRequest) -> PromptIds:
+    prompt_request = PromptRequest(
+        messages=req.messages,
+        tools=req.tool_dicts(),
+        reasoning_effort=req.reasoning_effort,
+        chat_template_kwargs=req.chat_template_kwargs or {},
+    )
+    try:
+        return await asyncio.to_thread(render_prompt, model, prompt_request)
+    except (PromptError, ValueError) as e:
+        raise APIError(400, str(e), param="messages") from e
+
+
+def _meta(state: ServerState, prefix: str, kind: str, include_usage: bool) -> ResponseMeta:
+    return ResponseMeta(
+        id=f"{prefix}-{uuid.uuid4().hex}",
+        model=state.model_name,
+        created=int(time.time()),
+        kind=kind,
+        include_usage=include_usage,
+    )
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = parse_body(ChatCompletionRequest, await request.body())
+    req.check_supported()
+    state.check_model_name(req.model)
+    model = state.require_model()
+    prompt = await _render(model, req)
+    params = state.sampling_params(model, req, len(prompt.token_ids))
+    parser = state.parsers(model).create(
+        thinking=thinking_mode(prompt.text, model), tools_given=req.tools_enabled
+    )
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    meta = _meta(state, "chatcmpl", "chat", include_usage)
+    pipeline = OutputPipeline(
+        model.tokenizer,
+        model.eos_token_ids,
+        len(prompt.token_ids),
+        stops=req.stop_strings(),
+        parser=parser,
+        logprobs=params.logprobs,
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        prompt_tail=prompt.token_ids[-CONTEXT_TOKENS:],
+    )
+    events = state.submit(prompt.token_ids, params, meta.id)
+    run = GenerationRun(state, meta, pipeline, events, arrival)
+    return await run.respond(request, bool(req.stream))
+
+
+def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        ids = [int(i) for i in model.tokenizer.encode(prompt)]
+    else:
+        ids = prompt
+        bad = [i for i in ids if not 0 <= i < model.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token id {bad[0]} is out of range", param="prompt")
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return ids
+
+
+async def completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req = parse_body(CompletionRequest, await request.body())
+    req.check_supported()
+    state.check_model_name(req.model)
+    model = state.require_model()
+    ids = await asyncio.to_thread(_completion_ids, model, req)
+    params = state.sampling_params(model, req, len(ids))
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    meta = _meta(state, "cmpl", "text", include_usage)
+    pipeline = OutputPipeline(
+        model.tokenizer,
+        model.eos_token_ids,
+        len(ids),
+        stops=req.stop_strings(),
+        parser=None,
+        logprobs=params.logprobs,
+        prompt_tail=ids[-CONTEXT_TOKENS:],
+    )
+    events = state.submit(ids, params, meta.id)
+    run = GenerationRun(state, meta, pipeline, events, arrival)
+    return await run.respond(request, bool(req.stream))

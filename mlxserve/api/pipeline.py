@@ -1,0 +1,252 @@
+"""One request's output pipeline: token events -> OpenAI-shaped deltas.
+
+    TokenEvent ─► incremental detokenizer (UTF-8 safe, EOS dropped)
+               ─► stop-string matcher (withholds a possible stop prefix)
+               ─► parser chain (reasoning, tool calls) ─► OutputDelta
+
+Streaming sends each OutputDelta as a chunk; non-streaming folds the same
+deltas into one message (`Accumulator`), so both paths agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.api.detok import IncrementalDecoder
+from mlxserve.api.stops import StopMatcher
+from mlxserve.engine.request import TokenEvent
+from mlxserve.parsers.events import (
+    ContentDelta,
+    ParserEvent,
+    ReasoningDelta,
+    StreamParser,
+    ToolCallArgs,
+    ToolCallEnd,
+    ToolCallStart,
+)
+
+ParserFactory = Callable[[bool, bool], StreamParser]
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A piece of a tool call: the first one of a call has `id` and `name`."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass
+class OutputDelta:
+    """What one engine event adds to the response."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (
+            self.reasoning or self.content or self.tool_calls or self.logprobs or self.finish_reason
+        )
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class EngineRequestFailed(RuntimeError):
+    """The engine finished the request with an error (or aborted it on its own)."""
+
+
+class OutputPipeline:
+    """Turns one request's TokenEvents into OutputDeltas. `done` once finished."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        eos_token_ids: frozenset[int],
+        prompt_tokens: int,
+        stops: Sequence[str] = (),
+        parser: StreamParser | None = None,
+        logprobs: bool = False,
+        parallel_tool_calls: bool = True,
+        prompt_tail: Sequence[int] = (),
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._detok = IncrementalDecoder(tokenizer, prompt_tail)
+        self._eos = eos_token_ids
+        self._stops = StopMatcher(stops)
+        self._parser = parser
+        self._logprobs = logprobs
+        self._parallel = parallel_tool_calls
+        self._args_sent: set[int] = set()
+        self._calls_done: set[int] = set()
+        self.usage = Usage(prompt_tokens=prompt_tokens)
+        self.done = False
+        self.finish_reason: str | None = None
+
+    @property
+    def stopped_by_string(self) -> bool:
+        return self._stops.matched is not None
+
+    def step(self, event: TokenEvent) -> OutputDelta:
+        """Process one engine event. Raises EngineRequestFailed for error/abort."""
+        if self.done:
+            return OutputDelta()
+        self._account(event)
+        if event.finish_reason in ("error", "abort"):
+            self.done = True
+            raise EngineRequestFailed(
+                event.error or f"request {event.finish_reason}ed by the engine"
+            )
+        delta = OutputDelta()
+        text = ""
+        token = event.token_id
+        if token is not None and token not in self._eos:
+            text = self._detok.add(token)
+            if self._logprobs and event.logprob is not None:
+                delta.logprobs.append(self._token_logprob(token, event))
+        if event.finished:
+            text += self._detok.flush()
+        text = self._stops.feed(text)
+        ending = event.finished or self.stopped_by_string
+        if ending:
+            text += self._stops.flush()
+        events = self._parse(text, ending)
+        self._apply(events, delta)
+        if ending:
+            self.done = True
+            delta.finish_reason = self._finish_reason(event.finish_reason)
+            self.finish_reason = delta.finish_reason
+        return delta
+
+    def _account(self, event: TokenEvent) -> None:
+        u = self.usage
+        if event.token_id is not None:
+            u.completion_tokens += 1
+        u.completion_tokens = max(u.completion_tokens, event.completion_tokens)
+        u.prompt_tokens = max(u.prompt_tokens, event.prompt_tokens)
+        u.cached_tokens = max(u.cached_tokens, event.cached_tokens)
+
+    def _parse(self, text: str, ending: bool) -> list[ParserEvent]:
+        if self._parser is None:
+            return [ContentDelta(text)] if text else []
+        events = self._parser.feed(text) if text else []
+        if ending:
+            events += self._parser.finish()
+        return events
+
+    def _apply(self, events: list[ParserEvent], delta: OutputDelta) -> None:
+        for ev in events:
+            if isinstance(ev, ReasoningDelta):
+                delta.reasoning += ev.text
+            elif isinstance(ev, ContentDelta):
+                delta.content += ev.text
+            elif not self._parallel and ev.index > 0:
+                continue
+            elif isinstance(ev, ToolCallStart):
+                delta.tool_calls.append(ToolCallDelta(ev.index, ev.id, ev.name, ""))
+            elif isinstance(ev, ToolCallArgs):
+                if ev.arguments:
+                    self._args_sent.add(ev.index)
+                    delta.tool_calls.append(ToolCallDelta(ev.index, arguments=ev.arguments))
+            elif isinstance(ev, ToolCallEnd):
+                self._calls_done.add(ev.index)
+                if ev.index not in self._args_sent:
+                    self._args_sent.add(ev.index)
+                    args = json.dumps(ev.arguments, ensure_ascii=False)
+                    delta.tool_calls.append(ToolCallDelta(ev.index, arguments=args))
+
+    def _finish_reason(self, engine_reason: str | None) -> str:
+        if self.stopped_by_string:
+            return "stop"
+        if engine_reason == "length":
+            return "length"
+        return "tool_calls" if self._calls_done else "stop"
+
+    def _token_logprob(self, token: int, event: TokenEvent) -> TokenLogprob:
+        assert event.logprob is not None
+        top = tuple((self._token_text(t), float(lp)) for t, lp in (event.top_logprobs or ()))
+        return TokenLogprob(self._token_text(token), float(event.logprob), top)
+
+    def _token_text(self, token: int) -> str:
+        return str(self._tokenizer.decode([token]))
+
+
+@dataclass
+class _CallAcc:
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+class Accumulator:
+    """Folds OutputDeltas into a whole message (the non-streaming response)."""
+
+    def __init__(self) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.calls: dict[int, _CallAcc] = {}
+        self.logprobs: list[TokenLogprob] = []
+        self.finish_reason: str | None = None
+
+    def add(self, delta: OutputDelta) -> None:
+        if delta.reasoning:
+            self.reasoning.append(delta.reasoning)
+        if delta.content:
+            self.content.append(delta.content)
+        for tc in delta.tool_calls:
+            acc = self.calls.setdefault(tc.index, _CallAcc())
+            acc.id = tc.id or acc.id
+            acc.name = tc.name or acc.name
+            acc.arguments += tc.arguments
+        self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.content)
+
+    def message(self) -> dict[str, Any]:
+        calls = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments or "{}"},
+            }
+            for _, c in sorted(self.calls.items())
+        ]
+        content = "".join(self.content)
+        return {
+            "role": "assistant",
+            "content": content if content or not calls else None,
+            "reasoning_content": "".join(self.reasoning) or None,
+            "tool_calls": calls,
+        }

@@ -1,0 +1,117 @@
+"""`mlxserve serve`: build the engine and the app, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from mlxserve.api.app import create_app
+from mlxserve.api.state import ServerState
+from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.models.loaded import LoadedModel
+
+logger = logging.getLogger("mlxserve.serve")
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_waiting=getattr(args, "max_waiting", 256),
+        max_model_len=args.max_model_len,
+        prefix_cache=not getattr(args, "no_prefix_cache", False),
+        prefix_cache_bytes=args.prefix_cache_bytes,
+        prefix_cache_entries=getattr(args, "prefix_cache_entries", 64),
+    )
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    body_limit = getattr(args, "max_body_bytes", None)
+    extra = {} if body_limit is None else {"max_body_bytes": int(body_limit)}
+    return ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        chat_encoder=getattr(args, "chat_encoder", "auto"),
+        log_level=args.log_level,
+        **extra,
+    )
+
+
+def model_path(args: argparse.Namespace) -> Path:
+    if args.demo:
+        from mlxserve.models.demo import RANDOM_WEIGHTS_NOTICE, demo_model_path
+
+        logger.warning(RANDOM_WEIGHTS_NOTICE)
+        return demo_model_path()
+    if not args.model:
+        raise ValueError("give a MODEL_DIR or --demo")
+    return Path(args.model)
+
+
+def build_app(
+    args: argparse.Namespace, loader: Callable[[], LoadedModel] | None = None
+) -> tuple[FastAPI, ServerState]:
+    """The app for these CLI arguments (`loader` overrides loading from disk, for tests)."""
+    from mlxserve.engine.async_engine import AsyncEngine
+
+    ecfg = engine_config(args)
+    scfg = server_config(args)
+    if loader is None:
+        from mlxserve.models import load
+
+        path = model_path(args)
+        encoder = scfg.chat_encoder
+
+        def loader() -> LoadedModel:
+            return load(path, chat_encoder=encoder)
+
+        default_name = "mlxserve-demo" if args.demo else str(args.model)
+    else:
+        default_name = str(args.model or "mlxserve")
+    engine = AsyncEngine(ecfg, loader)
+    state = ServerState(
+        engine=engine,
+        config=scfg,
+        model_name=scfg.served_model_name or default_name,
+        max_model_len=ecfg.max_model_len,
+    )
+    return create_app(state), state
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=str(args.log_level).upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        app, state = build_app(args)
+    except ValueError as e:
+        print(f"mlxserve serve: {e}", file=sys.stderr)
+        return 2
+    if args.host not in LOOPBACK and args.api_key is None:
+        logger.warning(
+            "listening on %s without --api-key: anyone on the network can use it", args.host
+        )
+    import uvicorn
+
+    logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=str(args.log_level).lower(),
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run()
+    return 0

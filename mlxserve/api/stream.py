@@ -1,0 +1,182 @@
+"""Wire shapes: OpenAI chunk and response objects, SSE framing.
+
+Pure functions from the pipeline's typed deltas to JSON-ready dicts; no
+engine or HTTP code here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxserve.api.pipeline import Accumulator, OutputDelta, TokenLogprob, ToolCallDelta, Usage
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every chunk of one response repeats."""
+
+    id: str
+    model: str
+    created: int
+    kind: str = "chat"  # "chat" or "text"
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _tool_call_wire(tc: ToolCallDelta) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": tc.index}
+    function: dict[str, Any] = {}
+    if tc.id is not None:
+        out["id"] = tc.id
+        out["type"] = "function"
+    if tc.name is not None:
+        function["name"] = tc.name
+    function["arguments"] = tc.arguments
+    out["function"] = function
+    return out
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": lp.token,
+                "logprob": lp.logprob,
+                "bytes": _bytes(lp.token),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in lp.top],
+            }
+            for lp in items
+        ]
+    }
+
+
+def text_logprobs(items: list[TokenLogprob], start_offset: int = 0) -> dict[str, Any]:
+    offsets: list[int] = []
+    pos = start_offset
+    for lp in items:
+        offsets.append(pos)
+        pos += len(lp.token)
+    return {
+        "tokens": [lp.token for lp in items],
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [dict(lp.top) for lp in items],
+        "text_offset": offsets,
+    }
+
+
+def _chunk(meta: ResponseMeta, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if meta.kind == "chat" else "text_completion"
+    out: dict[str, Any] = {
+        "id": meta.id,
+        "object": obj,
+        "created": meta.created,
+        "model": meta.model,
+        "choices": choices,
+    }
+    if meta.include_usage:
+        out["usage"] = None
+    return out
+
+
+def chat_role_chunk(meta: ResponseMeta) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    return _chunk(meta, [choice])
+
+
+def chat_delta_chunk(meta: ResponseMeta, delta: OutputDelta) -> dict[str, Any] | None:
+    """The chunk for one delta's text and tool calls (None when it carries none)."""
+    wire: dict[str, Any] = {}
+    if delta.reasoning:
+        wire["reasoning_content"] = delta.reasoning
+    if delta.content:
+        wire["content"] = delta.content
+    if delta.tool_calls:
+        wire["tool_calls"] = [_tool_call_wire(tc) for tc in delta.tool_calls]
+    if not wire and not delta.logprobs:
+        return None
+    choice = {
+        "index": 0,
+        "delta": wire,
+        "logprobs": chat_logprobs(delta.logprobs) if delta.logprobs else None,
+        "finish_reason": None,
+    }
+    return _chunk(meta, [choice])
+
+
+def text_delta_chunk(meta: ResponseMeta, delta: OutputDelta, offset: int) -> dict[str, Any] | None:
+    if not delta.content and not delta.logprobs:
+        return None
+    choice = {
+        "index": 0,
+        "text": delta.content,
+        "logprobs": text_logprobs(delta.logprobs, offset) if delta.logprobs else None,
+        "finish_reason": None,
+    }
+    return _chunk(meta, [choice])
+
+
+def finish_chunk(meta: ResponseMeta, finish_reason: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    if meta.kind == "chat":
+        choice["delta"] = {}
+    else:
+        choice["text"] = ""
+    return _chunk(meta, [choice])
+
+
+def usage_chunk(meta: ResponseMeta, usage: Usage) -> dict[str, Any]:
+    out = _chunk(meta, [])
+    out["usage"] = usage.to_dict()
+    return out
+
+
+def chat_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "message": acc.message(),
+        "logprobs": chat_logprobs(acc.logprobs) if acc.logprobs else None,
+        "finish_reason": acc.finish_reason or "stop",
+    }
+    return {
+        "id": meta.id,
+        "object": "chat.completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+        "usage": usage.to_dict(),
+    }
+
+
+def text_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[str, Any]:
+    choice = {
+        "index": 0,
+        "text": acc.text,
+        "logprobs": text_logprobs(acc.logprobs) if acc.logprobs else None,
+        "finish_reason": acc.finish_reason or "stop",
+    }
+    return {
+        "id": meta.id,
+        "object": "text_completion",
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+        "usage": usage.to_dict(),
+    }

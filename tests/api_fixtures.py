@@ -1,0 +1,106 @@
+"""Shared helpers of the API tests: a real uvicorn server on 127.0.0.1 in a thread."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from mlxserve.api.serve import build_app
+from mlxserve.cli import build_parser
+from mlxserve.models.loaded import LoadedModel
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_args(*extra: str, model: str = "test-model") -> argparse.Namespace:
+    """`mlxserve serve` arguments as the CLI parses them."""
+    return build_parser().parse_args(["serve", model, "--port", str(free_port()), *extra])
+
+
+class ServerThread:
+    """uvicorn serving the real app (real AsyncEngine) in a background thread."""
+
+    def __init__(self, args: argparse.Namespace, loader: Callable[[], LoadedModel]) -> None:
+        import uvicorn
+
+        self.args = args
+        self.app, self.state = build_app(args, loader=loader)
+        config = uvicorn.Config(
+            self.app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.args.host}:{self.args.port}"
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def start(self, ready_timeout: float = 120.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + ready_timeout
+        while time.monotonic() < deadline:
+            if self.server.started and self.state.engine.ready:
+                return self
+            if self.state.engine.load_error is not None:
+                raise RuntimeError(self.state.engine.load_error)
+            if not self.thread.is_alive():
+                raise RuntimeError("the server thread died")
+            time.sleep(0.05)
+        raise TimeoutError("the server did not become ready")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def post(url: str, path: str, body: Any = None, content: bytes | None = None, **kw: Any) -> Any:
+    with httpx.Client(base_url=url, timeout=60) as client:
+        if content is not None:
+            return client.post(path, content=content, **kw)
+        return client.post(path, json=body, **kw)
+
+
+def assert_error_shape(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    return dict(err)
+
+
+def chat_body(content: str = "Hello", **kw: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
+    body.update(kw)
+    return body
