@@ -17,7 +17,8 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(payload: dict[str, Any]) -> bytes:
     """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + data.encode("utf-8") + b"\n\n"
 
 
 @dataclass(frozen=True)
