@@ -53,11 +53,12 @@ class ServerThread:
     def base_url(self) -> str:
         return self.url + "/v1"
 
-    def start(self, ready_timeout: float = 120.0) -> ServerThread:
+    def start(self, ready_timeout: float = 120.0, wait_ready: bool = True) -> ServerThread:
+        """Start serving; return once the model is ready (or only listening: `wait_ready`)."""
         self.thread.start()
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
-            if self.server.started and self.state.engine.ready:
+            if self.server.started and (self.state.engine.ready or not wait_ready):
                 return self
             if self.state.engine.load_error is not None:
                 raise RuntimeError(self.state.engine.load_error)

@@ -85,6 +85,13 @@ def test_completions_stream_and_not(client: openai.OpenAI) -> None:
         )
     )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    with_lp = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2
+    )
+    lp = with_lp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 4
+    assert lp.top_logprobs is not None and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == with_lp.choices[0].text
     ids = [3001, 4002, 5003, 6004]
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
     assert by_ids.usage is not None and by_ids.usage.prompt_tokens == len(ids)

@@ -206,16 +206,26 @@ class CompletionRequest(_SamplingFields):
         raise APIError(400, "a batch of several prompts is not supported", param="prompt")
 
 
-def _loc(loc: tuple[Any, ...]) -> str | None:
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_type_tag(item: str) -> bool:
+    """pydantic names the union member in `loc` (`str`, `list[int]`, `NamedToolChoice`)."""
+    return "[" in item or item in _TYPE_TAGS or item[:1].isupper()
+
+
+def _loc(loc: tuple[Any, ...]) -> tuple[str | None, bool]:
+    """The field path as the client wrote it, and whether a union member was named."""
     parts: list[str] = []
+    union = False
     for item in loc:
         if isinstance(item, int):
             parts.append(f"[{item}]")
-        elif isinstance(item, str) and not item.startswith(("literal[", "function-", "list[")):
-            if "[" in item or "{" in item:
-                continue
-            parts.append(("." if parts else "") + item)
-    return "".join(parts) or None
+        elif isinstance(item, str) and _is_type_tag(item):
+            union = True
+        else:
+            parts.append(("." if parts else "") + str(item))
+    return ("".join(parts) or None), union
 
 
 def parse_body(model: type[M], body: bytes) -> M:
@@ -226,7 +236,9 @@ def parse_body(model: type[M], body: bytes) -> M:
         first = e.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
             raise APIError(400, f"malformed JSON body: {first['msg']}") from e
-        param = _loc(tuple(first["loc"]))
+        param, union = _loc(tuple(first["loc"]))
         msg = str(first["msg"]).removeprefix("Value error, ")
+        if union and first["type"].endswith("_type"):
+            msg = f"a value of type {type(first.get('input')).__name__} is not accepted here"
         where = f"{param}: " if param else ""
         raise APIError(400, f"{where}{msg}", param=param) from e
