@@ -42,3 +42,18 @@ def loaded_factory(model_dir_factory: Callable[..., Path]) -> Callable[[str], Lo
         return cache[family]
 
     return factory
+
+
+@pytest.fixture(scope="session")
+def swa_model_dir(model_dir_factory: Callable[..., Path], tmp_path_factory) -> Path:
+    """A llama checkpoint whose first layer uses an 8-token sliding window (RotatingKVCache)."""
+    import json
+    import shutil
+
+    out = tmp_path_factory.mktemp("llama-swa")
+    shutil.copytree(model_dir_factory("llama"), out, dirs_exist_ok=True)
+    config = json.loads((out / "config.json").read_text())
+    config["layer_types"] = ["sliding_attention", "full_attention"]
+    config["sliding_window"] = 8
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out

@@ -41,7 +41,7 @@ def test_longest_strict_prefix_wins() -> None:
     pc = make_cache()
     pc.insert([1, 2, 3, 4], fake("long"), nbytes=1)
     pc.insert([1, 2], fake("short"), nbytes=1)  # a prefix of an entry: both kept
-    pc.insert([1, 2, 7], fake("branch"), nbytes=1)  # supersedes [1, 2]
+    pc.insert([1, 2, 7], fake("branch"), nbytes=1)  # [1, 2] is a branch point: kept
     pc.insert([1, 2], fake("short"), nbytes=1)
     assert len(pc) == 3
 
@@ -191,13 +191,25 @@ class _Reference:
     def insert(self, key: tuple[int, ...], nbytes: int, tag: int) -> bool:
         if not key or nbytes > self.max_bytes or self.max_entries == 0:
             return False
-        self.entries = [e for e in self.entries if key[: len(e[0])] != e[0]]
+        self.entries = [e for e in self.entries if not self._superseded(e[0], key)]
         self.entries.append((key, nbytes, tag))
         while (
             sum(e[1] for e in self.entries) > self.max_bytes or len(self.entries) > self.max_entries
         ):
             self.entries.pop(0)
         return True
+
+    def _superseded(self, old: tuple[int, ...], key: tuple[int, ...]) -> bool:
+        """A prefix of the new key goes, unless another key branches off right after it."""
+        n = len(old)
+        if key[:n] != old:
+            return False
+        if n == len(key):
+            return True
+        return not any(
+            len(other) > n and other[:n] == old and other[n] != key[n]
+            for other, _, _ in self.entries
+        )
 
     def lookup(self, prompt: tuple[int, ...]) -> int | None:
         found = [e for e in self.entries if len(e[0]) < len(prompt) and prompt[: len(e[0])] == e[0]]

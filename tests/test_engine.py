@@ -32,7 +32,9 @@ def _oracle(model, prompts, max_tokens) -> list[list[int]]:
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
 @pytest.mark.parametrize("budget", [UNLIMITED, 16])
-def test_concurrent_greedy_matches_single_runs(family: str, budget: int, loaded_factory) -> None:
+def test_concurrent_greedy_matches_single_runs(
+    family: str, budget: int, loaded_factory, model_dir_factory
+) -> None:
     model = loaded_factory(family)
     prompts = _prompts(model)
     max_tokens = [6, 9, 4, 12, 7, 10, 5, 8]
@@ -42,7 +44,7 @@ def test_concurrent_greedy_matches_single_runs(family: str, budget: int, loaded_
         for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
     config = EngineConfig(max_prefill_tokens=budget, prefix_cache=False)
-    results = run_requests(config, lambda: model, jobs)
+    results = run_requests(config, lambda: load(model_dir_factory(family)), jobs)
     assert [tokens_of(events) for events in results] == expected
     for events, n in zip(results, max_tokens, strict=True):
         assert events[-1].finish_reason == "length"
@@ -82,12 +84,12 @@ def test_model_thread_is_loader_thread(model_dir_factory) -> None:
     assert seen["loader_thread"] != threading.get_ident()
 
 
-def test_abort_frees_the_slot(loaded_factory) -> None:
-    model = loaded_factory("llama")
+def test_abort_frees_the_slot(model_dir_factory) -> None:
+    path = model_dir_factory("llama")
 
     async def main() -> None:
         engine = await started_engine(
-            EngineConfig(max_num_seqs=1, prefix_cache=False), lambda: model
+            EngineConfig(max_num_seqs=1, prefix_cache=False), lambda: load(path)
         )
         try:
             long_stream = engine.submit([10, 11, 12], SamplingParams(max_tokens=10_000), "long")
@@ -110,11 +112,11 @@ def test_abort_frees_the_slot(loaded_factory) -> None:
     asyncio.run(main())
 
 
-def test_explicit_abort_ends_stream_without_more_tokens(loaded_factory) -> None:
-    model = loaded_factory("llama")
+def test_explicit_abort_ends_stream_without_more_tokens(model_dir_factory) -> None:
+    path = model_dir_factory("llama")
 
     async def main() -> None:
-        engine = await started_engine(EngineConfig(prefix_cache=False), lambda: model)
+        engine = await started_engine(EngineConfig(prefix_cache=False), lambda: load(path))
         try:
             stream = engine.submit([1, 2, 3], SamplingParams(max_tokens=10_000), "victim")
             events = []
@@ -153,9 +155,14 @@ class Poisoned:
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
-def test_raising_model_fails_only_its_request(family: str, loaded_factory) -> None:
-    model = replace(loaded_factory(family))
-    model.model = Poisoned(model.model)
+def test_raising_model_fails_only_its_request(
+    family: str, loaded_factory, model_dir_factory
+) -> None:
+    def loader():
+        model = load(model_dir_factory(family))
+        model.model = Poisoned(model.model)
+        return model
+
     clean = [7, 8, 9, 10]
     expected = greedy_generate(loaded_factory(family), clean, 5)
     jobs = [
@@ -163,37 +170,37 @@ def test_raising_model_fails_only_its_request(family: str, loaded_factory) -> No
         ([3, POISON, 5], SamplingParams(max_tokens=5), 0.0),
         (clean, SamplingParams(max_tokens=5), 0.05),
     ]
-    good, bad, after = run_requests(EngineConfig(prefix_cache=False), lambda: model, jobs)
+    good, bad, after = run_requests(EngineConfig(prefix_cache=False), loader, jobs)
     assert bad[-1].finish_reason == "error"
     assert "poisoned input" in (bad[-1].error or "")
     assert tokens_of(good) == expected
     assert tokens_of(after) == expected
 
 
-def test_seeded_sampling_is_reproducible_alone_and_batched(loaded_factory) -> None:
-    model = loaded_factory("llama")
+def test_seeded_sampling_is_reproducible_alone_and_batched(model_dir_factory) -> None:
+    path = model_dir_factory("llama")
     seeded = SamplingParams(max_tokens=8, temperature=0.8, seed=7)
     prompt = [100, 200, 300, 400]
     config = EngineConfig(prefix_cache=False)
-    alone_1 = tokens_of(run_requests(config, lambda: model, [(prompt, seeded, 0.0)])[0])
-    alone_2 = tokens_of(run_requests(config, lambda: model, [(prompt, seeded, 0.0)])[0])
+    alone_1 = tokens_of(run_requests(config, lambda: load(path), [(prompt, seeded, 0.0)])[0])
+    alone_2 = tokens_of(run_requests(config, lambda: load(path), [(prompt, seeded, 0.0)])[0])
     others = [
         ([9, 8, 7, 6, 5][:n], SamplingParams(max_tokens=8, temperature=1.0), 0.0) for n in (2, 3, 5)
     ]
-    batched = run_requests(config, lambda: model, [*others, (prompt, seeded, 0.0)])
+    batched = run_requests(config, lambda: load(path), [*others, (prompt, seeded, 0.0)])
     assert alone_1 == alone_2
     assert tokens_of(batched[-1]) == alone_1
     other_seed = replace(seeded, seed=8)
-    different = tokens_of(run_requests(config, lambda: model, [(prompt, other_seed, 0.0)])[0])
+    different = tokens_of(run_requests(config, lambda: load(path), [(prompt, other_seed, 0.0)])[0])
     assert different != alone_1
 
 
-def test_overload_and_bad_prompts_are_rejected(loaded_factory) -> None:
-    model = loaded_factory("llama")
+def test_overload_and_bad_prompts_are_rejected(model_dir_factory) -> None:
+    path = model_dir_factory("llama")
 
     async def main() -> None:
         config = EngineConfig(max_num_seqs=1, max_waiting=1, max_model_len=64, prefix_cache=False)
-        engine = await started_engine(config, lambda: model)
+        engine = await started_engine(config, lambda: load(path))
         try:
             with pytest.raises(ValueError, match="empty"):
                 engine.submit([], SamplingParams())
@@ -224,3 +231,25 @@ def test_sampling_params_validation() -> None:
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError):
         SamplingParams(top_p=0)
+
+
+def test_engine_survives_a_failing_step(model_dir_factory, monkeypatch) -> None:
+    """An error outside the model (here: the prefix cache) fails the step's requests only."""
+    from mlxserve.cache.prefix_cache import PrefixCache
+
+    real_lookup = PrefixCache.lookup
+
+    def lookup(self, prompt_ids):
+        if POISON in prompt_ids:
+            raise RuntimeError("broken lookup")
+        return real_lookup(self, prompt_ids)
+
+    monkeypatch.setattr(PrefixCache, "lookup", lookup)
+    jobs = [
+        ([1, POISON, 3], SamplingParams(max_tokens=3), 0.0),
+        ([5, 6, 7], SamplingParams(max_tokens=3), 0.2),
+    ]
+    bad, good = run_requests(EngineConfig(), lambda: load(model_dir_factory("llama")), jobs)
+    assert bad[-1].finish_reason == "error"
+    assert "broken lookup" in (bad[-1].error or "")
+    assert len(tokens_of(good)) == 3

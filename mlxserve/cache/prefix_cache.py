@@ -7,7 +7,9 @@ Semantics (DESIGN.md rule 3 and 4):
   prompt, so at least the last prompt token is always fed to get logits, and
   `remaining` is exactly the tokens the returned cache does not hold.
 - `insert` of a key supersedes every entry whose key is a prefix of it (and an
-  identical key): a conversation that grows turn by turn keeps one entry.
+  identical key): a conversation that grows turn by turn keeps one entry. An
+  entry at a branch point (a prefix that other stored keys also extend, such as
+  a shared system prompt) is kept.
 - The budget is bytes *and* entries; least recently used entries go first.
   After any insert, the held bytes never exceed `max_bytes`.
 
@@ -121,6 +123,20 @@ class _Trie:
                 best = node
         return best
 
+    def shared_bytes(self, key: bytes) -> int:
+        """How many leading bytes of `key` lie on the trie (shared with some stored key)."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + _TOKEN])
+            if child is None:
+                break
+            common = _common_bytes(child.label, key, pos)
+            pos += common
+            if common < len(child.label):
+                break
+            node = child
+        return pos
+
     def node_for(self, key: bytes) -> tuple[_Node, list[_Node]]:
         """Find or make the node for `key`; also the entry nodes on strict prefixes."""
         node, pos = self.root, 0
@@ -214,6 +230,15 @@ class PrefixCache:
             node = self._trie.longest_strict_prefix(_pack(prompt_ids))
             return 0 if node is None or node.entry is None else node.entry.key_len
 
+    def shared_prefix_len(self, prompt_ids: Sequence[int]) -> int:
+        """Tokens the prompt shares with the longest-matching stored key (no side effects).
+
+        The engine snapshots a prompt there too, so that the next conversation
+        that shares this prefix (a system prompt, tool definitions) hits it.
+        """
+        with self._lock:
+            return self._trie.shared_bytes(_pack(prompt_ids)) // _TOKEN
+
     def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
         """The longest entry whose key is a strict prefix of the prompt, as a fresh copy."""
         key = _pack(prompt_ids)
@@ -258,6 +283,8 @@ class PrefixCache:
                 self._bytes -= self._lru.pop(node).nbytes
                 self._superseded += 1
             for old in prefixes:  # removing an ancestor never detaches `node`
+                if len(old.children) > 1:
+                    continue  # a branch point other keys still extend: keep it
                 self._drop(old)
                 self._superseded += 1
             node.entry = _Entry(snapshot, size, len(key_ids))

@@ -238,6 +238,22 @@ def _pooling_arrays(c: Any) -> Iterator[mx.array]:
     return _present(c.buf_kv, c.buf_gate, c.pooled)
 
 
+def _copy_carrying_pooling(c: Any) -> Any:
+    from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+
+    base = _copy_pooling(c)
+    new = CarryingPoolingCache(c.ratio)
+    new.buf_kv, new.buf_gate, new.pooled = base.buf_kv, base.buf_gate, base.pooled
+    new.remainder = base.remainder
+    new.carry_kv = _copy_opt(c.carry_kv)
+    new.carry_gate = _copy_opt(c.carry_gate)
+    return new
+
+
+def _carrying_pooling_arrays(c: Any) -> Iterator[mx.array]:
+    return _present(c.buf_kv, c.buf_gate, c.pooled, c.carry_kv, c.carry_gate)
+
+
 def _pooling_offset(c: Any) -> int | None:
     # Tokens seen: each pooled row stands for `ratio` tokens, plus the open group.
     return int(c.offset) * int(c.ratio) + int(c.remainder)
@@ -287,6 +303,8 @@ def _cache_list_trimmable(c: Any) -> bool:
 
 @functools.cache
 def _registry() -> dict[type, _Kind]:
+    from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+
     def kv(copier: Callable[[Any], Any], trimmable: Callable[[Any], bool]) -> _Kind:
         return _Kind(copier, _kv_arrays, _attr_offset, trimmable)
 
@@ -308,6 +326,9 @@ def _registry() -> dict[type, _Kind]:
         lm_cache.ArraysCache: arrays_cache(_copy_lm_arrays),
         vlm_cache.ArraysCache: arrays_cache(_copy_vlm_arrays),
         vlm_cache.PoolingCache: _Kind(_copy_pooling, _pooling_arrays, _pooling_offset, _never),
+        CarryingPoolingCache: _Kind(
+            _copy_carrying_pooling, _carrying_pooling_arrays, _pooling_offset, _never
+        ),
         lm_v41.LayerCache: _Kind(_copy_v41_layer, _v41_arrays, _attr_offset, _never),
         lm_cache.CacheList: cache_list,
         vlm_cache.CacheList: cache_list,

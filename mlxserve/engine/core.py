@@ -117,15 +117,32 @@ class EngineCore:
             idle = not scheduler.running and not scheduler.waiting
             if not self._handle_commands(block=idle):
                 return
-            plan = scheduler.schedule()
-            if not plan.has_work:
-                runner.release(plan.released)
-                continue
-            result = runner.run(plan)
-            events = scheduler.update(result)
-            self.steps += 1
+            try:
+                events = self._step(scheduler, runner)
+            except Exception as e:  # a failing step fails its requests, not the engine
+                logger.exception("engine step failed; failing the running requests")
+                events = self._fail_running(f"{type(e).__name__}: {e}")
             if events:
                 self._emit(events)
+
+    def _step(self, scheduler: Scheduler, runner: Runner) -> list[TokenEvent]:
+        plan = scheduler.schedule()
+        if not plan.has_work:
+            runner.release(plan.released)
+            return []
+        result = runner.run(plan)
+        self.steps += 1
+        return scheduler.update(result)
+
+    def _fail_running(self, message: str) -> list[TokenEvent]:
+        scheduler, runner = self.scheduler, self.runner
+        assert scheduler is not None and runner is not None
+        events: list[TokenEvent] = []
+        failed = [request.request_id for request in scheduler.running]
+        for request_id in failed:
+            events.extend(scheduler.fail(request_id, message))
+        runner.release(failed)
+        return events
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""

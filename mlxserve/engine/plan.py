@@ -11,12 +11,16 @@ from mlxserve.engine.sampling import SampledRow
 
 @dataclass
 class PrefillChunk:
-    """Feed prompt_ids[start:end] of `request`; `initial_cache` only on its first chunk."""
+    """Feed prompt_ids[start:end] of `request`; `initial_cache` only on its first chunk.
+
+    `snapshot_after`: copy the cache once it holds prompt_ids[:end] (prefix cache).
+    """
 
     request: Request
     start: int
     end: int
     initial_cache: list[Any] | None = None
+    snapshot_after: bool = False
 
     @property
     def is_last(self) -> bool:
@@ -29,7 +33,6 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     # Requests that finished (or were aborted) since the last step: free their caches.
     released: list[str] = field(default_factory=list)
-    snapshot_prompts: bool = False
 
     @property
     def has_work(self) -> bool:

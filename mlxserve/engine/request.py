@@ -134,6 +134,9 @@ class Request:
     num_computed: int = 0
     cached_tokens: int = 0
     cache: list[Any] | None = None
+    # Where this prompt leaves a prefix it shares with a cached entry: the
+    # engine also snapshots there, so the next conversation with that prefix hits.
+    branch_at: int | None = None
     error: str | None = None
     first_token_time: float | None = None
     sampler_state: Any = None

@@ -76,6 +76,7 @@ class Runner:
         self.caches: dict[str, list[Any]] = {}
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
+        self._snapshots_supported = True
 
     # -- lifecycle ----------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
@@ -93,11 +94,11 @@ class Runner:
         if plan.decodes:
             self._decode(plan.decodes, result)
         for chunk in plan.prefills:
-            self._prefill(chunk, plan.snapshot_prompts, result)
+            self._prefill(chunk, result)
         return result
 
     # -- prefill ------------------------------------------------------------
-    def _prefill(self, chunk: PrefillChunk, snapshot: bool, result: StepResult) -> None:
+    def _prefill(self, chunk: PrefillChunk, result: StepResult) -> None:
         request = chunk.request
         rid = request.request_id
         try:
@@ -109,28 +110,32 @@ class Runner:
             tokens = mx.array([request.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
             logits = self.model.model.last_logits(tokens, cache)
             result.prefill_tokens += chunk.end - chunk.start
-            if not chunk.is_last:
-                mx.eval(logits)
-                return
             output = RequestOutput(rid)
-            output.sampled = self._sample(logits, [request])[0]
-            if snapshot:
-                output.snapshot = self._snapshot(request, cache)
-            result.outputs.append(output)
-            if self.batchable:
+            if chunk.is_last:
+                output.sampled = self._sample(logits, [request])[0]
+            else:
+                mx.eval(logits)
+            if chunk.snapshot_after:
+                output.snapshot = self._snapshot(request.prompt_ids[: chunk.end], cache)
+            if chunk.is_last or output.snapshot is not None:
+                result.outputs.append(output)
+            if chunk.is_last and self.batchable:
                 self.batch.add(rid, self.caches.pop(rid))
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
             self.release([rid])
             result.outputs.append(RequestOutput(rid, error=_describe(e)))
 
-    def _snapshot(self, request: Request, cache: list[Any]) -> Snapshot | None:
+    def _snapshot(self, key_ids: list[int], cache: list[Any]) -> Snapshot | None:
         from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache
 
+        if not self._snapshots_supported:
+            return None
         try:
-            return Snapshot(list(request.prompt_ids), copy_cache(cache))
-        except UnsupportedCacheError:
-            logger.warning("prefix cache disabled for this request: cache type unsupported")
+            return Snapshot(list(key_ids), copy_cache(cache))
+        except UnsupportedCacheError as e:
+            logger.warning("prefix cache off for this model: %s", e)
+            self._snapshots_supported = False
             return None
 
     # -- decode -------------------------------------------------------------

@@ -12,12 +12,15 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.plan import PrefillChunk, StepPlan, StepResult
+from mlxserve.engine.plan import PrefillChunk, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
+from mlxserve.engine.sampling import SampledRow
 
 logger = logging.getLogger(__name__)
 
 RECENT_STATUS_LIMIT = 4096
+# A shared prefix shorter than this is not worth a snapshot of its own.
+MIN_BRANCH_TOKENS = 32
 
 
 @dataclass
@@ -70,7 +73,7 @@ class Scheduler:
         Shortest-remaining-first lets a short request that arrives behind a long
         prompt be prefilled in the next step instead of after the whole prefill.
         """
-        plan = StepPlan(released=self._released, snapshot_prompts=self.prefix_cache is not None)
+        plan = StepPlan(released=self._released)
         self._released = []
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -81,12 +84,18 @@ class Scheduler:
         for request in prefilling:
             if budget <= 0:
                 break
-            size = min(budget, request.prefill_remaining)
             start = request.num_computed
-            plan.prefills.append(PrefillChunk(request, start, start + size, request.cache))
+            end = start + min(budget, request.prefill_remaining)
+            branch = request.branch_at
+            if branch is not None and start < branch < end:
+                end = branch
+            snapshot = self.prefix_cache is not None and (
+                end == request.num_prompt or end == branch
+            )
+            plan.prefills.append(PrefillChunk(request, start, end, request.cache, snapshot))
             request.cache = None
-            request.num_computed += size
-            budget -= size
+            request.num_computed = end
+            budget -= end - start
         return plan
 
     def _admit(self, request: Request) -> None:
@@ -97,11 +106,13 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         hit = self.prefix_cache.lookup(request.prompt_ids)
-        if hit is None:
-            return
-        request.num_computed = hit.key_len
-        request.cached_tokens = hit.key_len
-        request.cache = hit.cache
+        if hit is not None:
+            request.num_computed = hit.key_len
+            request.cached_tokens = hit.key_len
+            request.cache = hit.cache
+        shared = self.prefix_cache.shared_prefix_len(request.prompt_ids)
+        if request.num_computed + MIN_BRANCH_TOKENS <= shared < request.num_prompt:
+            request.branch_at = shared
 
     # -- results ------------------------------------------------------------
     def update(self, result: StepResult) -> list[TokenEvent]:
@@ -112,7 +123,7 @@ class Scheduler:
             if request is None or request.status.is_finished:
                 continue
             if output.snapshot is not None and self.prefix_cache is not None:
-                self.prefix_cache.insert(output.snapshot.key_ids, output.snapshot.cache)
+                self._store(output.snapshot)
             if output.error is not None:
                 request.error = output.error
                 events.append(self._finish(request, RequestStatus.FINISHED_ERROR))
@@ -120,7 +131,15 @@ class Scheduler:
                 events.append(self._accept(request, output.sampled))
         return events
 
-    def _accept(self, request, sampled) -> TokenEvent:
+    def _store(self, snapshot: Snapshot) -> None:
+        assert self.prefix_cache is not None
+        try:
+            self.prefix_cache.insert(snapshot.key_ids, snapshot.cache)
+        except ValueError:
+            # A snapshot whose size disagrees with its key is a bug; serving goes on.
+            logger.exception("prefix cache refused a snapshot of %d tokens", len(snapshot.key_ids))
+
+    def _accept(self, request: Request, sampled: SampledRow) -> TokenEvent:
         token = sampled.token
         params = request.params
         request.status = RequestStatus.RUNNING
