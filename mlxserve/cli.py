@@ -46,6 +46,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-entries", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--api-key", default=None)
+    p.add_argument(
+        "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler="mlxserve.api.serve:run")
 

@@ -117,7 +117,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False

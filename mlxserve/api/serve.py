@@ -24,17 +24,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_prefill_tokens=args.max_prefill_tokens,
-        max_waiting=getattr(args, "max_waiting", 256),
+        max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
-        prefix_cache=not getattr(args, "no_prefix_cache", False),
+        prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
-        prefix_cache_entries=getattr(args, "prefix_cache_entries", 64),
+        prefix_cache_entries=args.prefix_cache_entries,
     )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
-    body_limit = getattr(args, "max_body_bytes", None)
-    extra = {} if body_limit is None else {"max_body_bytes": int(body_limit)}
     return ServerConfig(
         host=args.host,
         port=args.port,
@@ -42,9 +40,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
-        chat_encoder=getattr(args, "chat_encoder", "auto"),
+        chat_encoder=args.chat_encoder,
         log_level=args.log_level,
-        **extra,
+        max_body_bytes=args.max_body_bytes,
     )
 
 
