@@ -10,7 +10,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.models import llama
+from test_cache_snapshot import llama_model
 
 from mlxserve.cache import PrefixCache, cache_nbytes, copy_cache
 
@@ -275,27 +275,8 @@ def test_random_workload_matches_reference_and_stays_in_budget(
                 assert hit.remaining
 
 
-def _llama() -> llama.Model:
-    mx.random.seed(11)
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=32,
-        num_hidden_layers=2,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rms_norm_eps=1e-5,
-        vocab_size=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-    )
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
-
-
 def test_real_snapshot_hit_continues_like_a_full_prefill() -> None:
-    model = _llama()
+    model = llama_model()
     prompt = [(5 * i + 1) % 256 for i in range(40)]
     live = model.make_cache()
     model(mx.array([prompt[:30]]), cache=live)

@@ -1,4 +1,4 @@
-"""`mlxserve bench prefix-cache`: cold vs warm TTFT on a long prefix, and an 8-turn agent session."""
+"""`mlxserve bench prefix-cache`: cold vs warm TTFT on a long prefix; an 8-turn agent session."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def _tokens(seed: int, count: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104_729) % (vocab - 200) + 100 for i in range(count)]
 
 
-async def _timed(engine: AsyncEngine, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+async def _timed(
+    engine: AsyncEngine, prompt: list[int], max_tokens: int
+) -> tuple[float, list[int]]:
     """TTFT and generated tokens of one request."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()

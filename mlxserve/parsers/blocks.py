@@ -39,21 +39,36 @@ ToolCall = tuple[str, dict[str, Any]]
 
 
 class BlockScanner(ABC):
-    """Scans one block's text (everything after its opening marker)."""
+    """Scans one block's text (everything after its opening marker).
+
+    Keeps what was fed (for `raw_text`) and the unscanned tail `_buf[_pos:]`.
+    """
 
     calls: list[ToolCall]
+
+    def __init__(self) -> None:
+        self._fed: list[str] = []
+        self._buf = ""
+        self._pos = 0
+        self.calls = []
 
     @abstractmethod
     def feed(self, text: str) -> Status:
         """Consume more of the block; cheap in the size of `text`."""
 
-    @abstractmethod
+    def _take(self, text: str) -> None:
+        """Record `text` and drop the already-scanned part of the buffer."""
+        self._fed.append(text)
+        self._buf = self._buf[self._pos :] + text
+        self._pos = 0
+
     def raw_text(self) -> str:
         """Everything fed so far, verbatim."""
+        return "".join(self._fed)
 
-    @abstractmethod
     def remainder(self) -> str:
         """After DONE: text fed beyond the closing marker."""
+        return self._buf[self._pos :]
 
 
 def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[ParserEvent]:

@@ -79,12 +79,9 @@ class DsmlScanner(BlockScanner):
     """Scans the text of one DSML block after its opening tag."""
 
     def __init__(self, dialect: DsmlDialect) -> None:
+        super().__init__()
         self._d = dialect
-        self._fed: list[str] = []
-        self._buf = ""
-        self._pos = 0
         self._state = "between"
-        self.calls: list[tuple[str, dict[str, Any]]] = []
         self._name = ""
         self._args: dict[str, Any] = {}
         self._key = ""
@@ -93,16 +90,8 @@ class DsmlScanner(BlockScanner):
         self._value_ends = (dialect.param_open, dialect.invoke_close)
         self._look = max(len(end) for end in self._value_ends)
 
-    def raw_text(self) -> str:
-        return "".join(self._fed)
-
-    def remainder(self) -> str:
-        return self._buf[self._pos :]
-
     def feed(self, text: str) -> Status:
-        self._fed.append(text)
-        self._buf = self._buf[self._pos :] + text
-        self._pos = 0
+        self._take(text)
         while True:
             status = self._step()
             if status is not None:

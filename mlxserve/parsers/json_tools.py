@@ -48,26 +48,15 @@ class JsonCallScanner(BlockScanner):
     """Scans one `<tool_call>` body: whitespace, a JSON object, whitespace, close tag."""
 
     def __init__(self) -> None:
-        self._fed: list[str] = []
-        self._buf = ""
-        self._pos = 0
+        super().__init__()
         self._state = "pre"
         self._obj: list[str] = []
         self._depth = 0
         self._in_string = False
         self._escape = False
-        self.calls: list[tuple[str, dict[str, Any]]] = []
-
-    def raw_text(self) -> str:
-        return "".join(self._fed)
-
-    def remainder(self) -> str:
-        return self._buf[self._pos :]
 
     def feed(self, text: str) -> Status:
-        self._fed.append(text)
-        self._buf = self._buf[self._pos :] + text
-        self._pos = 0
+        self._take(text)
         if self._state == "pre":
             match = WHITESPACE.match(self._buf, self._pos)
             self._pos = match.end() if match is not None else self._pos
