@@ -30,7 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.cache.snapshot import cache_nbytes, copy_cache, tracked_offset
+from mlxserve.cache.snapshot import (
+    UnsupportedCacheError,
+    cache_nbytes,
+    copy_cache,
+    is_trimmable,
+    tracked_offset,
+    trim_cache,
+)
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "PrefixHit"]
 
@@ -65,6 +72,7 @@ class _Entry:
     snapshot: list[Any]
     nbytes: int
     key_len: int
+    trimmable: bool = False
 
 
 class _Node:
@@ -137,6 +145,25 @@ class _Trie:
             node = child
         return pos
 
+    def trimmable_node_below(self, key: bytes) -> _Node | None:
+        """A node holding a trimmable entry whose key starts with `key`."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + _TOKEN])
+            if child is None:
+                return None
+            common = _common_bytes(child.label, key, pos)
+            if common < len(child.label) and pos + common < len(key):
+                return None
+            node, pos = child, pos + len(child.label)
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if current.entry is not None and current.entry.trimmable:
+                return current
+            stack.extend(current.children.values())
+        return None
+
     def node_for(self, key: bytes) -> tuple[_Node, list[_Node]]:
         """Find or make the node for `key`; also the entry nodes on strict prefixes."""
         node, pos = self.root, 0
@@ -203,6 +230,7 @@ class PrefixCache:
         *,
         copy: Callable[[list[Any]], list[Any]] = copy_cache,
         offset: Callable[[list[Any]], int | None] | None = tracked_offset,
+        trimmable: Callable[[list[Any]], bool] = is_trimmable,
     ) -> None:
         if max_bytes < 0 or max_entries < 0:
             raise ValueError("max_bytes and max_entries must be >= 0")
@@ -210,6 +238,7 @@ class PrefixCache:
         self.max_entries = max_entries
         self._copy = copy
         self._offset = offset
+        self._trimmable = trimmable
         self._lock = threading.Lock()
         self._trie = _Trie()
         self._lru: OrderedDict[_Node, _Entry] = OrderedDict()
@@ -240,20 +269,33 @@ class PrefixCache:
             return self._trie.shared_bytes(_pack(prompt_ids)) // _TOKEN
 
     def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
-        """The longest entry whose key is a strict prefix of the prompt, as a fresh copy."""
+        """The longest reusable prefix of the prompt, as a fresh copy.
+
+        Normally the longest entry whose key is a strict prefix of the prompt.
+        A trimmable entry (plain KV) that shares more of the prompt than that,
+        e.g. a `prompt + output` entry whose reply was re-rendered differently,
+        is copied and trimmed back to the shared part instead.
+        """
         key = _pack(prompt_ids)
         with self._lock:
             node = self._trie.longest_strict_prefix(key)
+            best = 0 if node is None or node.entry is None else node.entry.key_len
+            usable = min(self._trie.shared_bytes(key) // _TOKEN, len(prompt_ids) - 1)
+            if usable > best:
+                node = self._trie.trimmable_node_below(key[: usable * _TOKEN]) or node
             if node is None or node.entry is None:
                 self._misses += 1
                 return None
-            entry = node.entry
+            chosen = node.entry
             self._lru.move_to_end(node)
+            reused = min(usable, chosen.key_len) if chosen.trimmable else chosen.key_len
             self._hits += 1
-            self._tokens_reused += entry.key_len
+            self._tokens_reused += reused
         # A stored snapshot is never written to, so copying it needs no lock.
-        cache = self._copy(entry.snapshot)
-        return PrefixHit(entry.key_len, cache, list(prompt_ids[entry.key_len :]))
+        cache = self._copy(chosen.snapshot)
+        if reused < chosen.key_len:
+            trim_cache(cache, chosen.key_len - reused)
+        return PrefixHit(reused, cache, list(prompt_ids[reused:]))
 
     def insert(
         self, key_ids: Sequence[int], snapshot: list[Any], nbytes: int | None = None
@@ -271,6 +313,10 @@ class PrefixCache:
             if held is not None and held != len(key_ids):
                 raise ValueError(f"snapshot holds {held} tokens but its key has {len(key_ids)}")
         size = cache_nbytes(snapshot) if nbytes is None else nbytes
+        try:
+            trimmable = self._trimmable(snapshot)
+        except UnsupportedCacheError:  # opaque snapshots (tests) are never trimmed
+            trimmable = False
         if size < 0:
             raise ValueError("nbytes must be >= 0")
         key = _pack(key_ids)
@@ -287,7 +333,7 @@ class PrefixCache:
                     continue  # a branch point other keys still extend: keep it
                 self._drop(old)
                 self._superseded += 1
-            node.entry = _Entry(snapshot, size, len(key_ids))
+            node.entry = _Entry(snapshot, size, len(key_ids), trimmable)
             self._lru[node] = node.entry
             self._bytes += size
             self._inserts += 1

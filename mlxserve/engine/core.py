@@ -127,12 +127,14 @@ class EngineCore:
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> list[TokenEvent]:
         plan = scheduler.schedule()
-        if not plan.has_work:
-            runner.release(plan.released)
-            return []
         result = runner.run(plan)
-        self.steps += 1
-        return scheduler.update(result)
+        if plan.has_work:
+            self.steps += 1
+        events = scheduler.update(result)
+        # Free finished requests now, so their `prompt + output` snapshots are in
+        # the prefix cache before the next request is admitted.
+        scheduler.update(runner.run(scheduler.take_released()))
+        return events
 
     def _fail_running(self, message: str) -> list[TokenEvent]:
         scheduler, runner = self.scheduler, self.runner

@@ -33,6 +33,9 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     # Requests that finished (or were aborted) since the last step: free their caches.
     released: list[str] = field(default_factory=list)
+    # Of those, (request id, tokens its cache holds) to snapshot first: finished
+    # requests on trimmable caches leave a `prompt + output` prefix-cache entry.
+    completed: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:

@@ -89,8 +89,9 @@ class Runner:
             self.samplers.pop(request_id, None)
 
     def run(self, plan: StepPlan) -> StepResult:
-        self.release(plan.released)
         result = StepResult()
+        self._snapshot_completed(plan.completed, result)
+        self.release(plan.released)
         if plan.decodes:
             self._decode(plan.decodes, result)
         for chunk in plan.prefills:
@@ -125,6 +126,25 @@ class Runner:
             logger.exception("prefill failed for request %s", rid)
             self.release([rid])
             result.outputs.append(RequestOutput(rid, error=_describe(e)))
+
+    def _snapshot_completed(
+        self, completed: list[tuple[str, list[int]]], result: StepResult
+    ) -> None:
+        """`prompt + output` snapshots of finished requests, for trimmable (batched KV) caches.
+
+        Caches that cannot be trimmed never get such an entry: a later prompt
+        that re-renders the reply differently could not reuse it.
+        """
+        if not self.batchable:
+            return
+        for request_id, key_ids in completed:
+            if request_id not in self.batch.request_ids:
+                continue
+            row = self.batch.request_ids.index(request_id)
+            extracted = [layer.extract(row) for layer in self.batch.cache]
+            snapshot = self._snapshot(key_ids, extracted)
+            if snapshot is not None:
+                result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
 
     def _snapshot(self, key_ids: list[int], cache: list[Any]) -> Snapshot | None:
         from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache

@@ -44,6 +44,7 @@ class Scheduler:
         self.recent_status: OrderedDict[str, RequestStatus] = OrderedDict()
         self.counters = SchedulerCounters()
         self._released: list[str] = []
+        self._completed: list[tuple[str, list[int]]] = []
 
     # -- intake -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -73,8 +74,7 @@ class Scheduler:
         Shortest-remaining-first lets a short request that arrives behind a long
         prompt be prefilled in the next step instead of after the whole prefill.
         """
-        plan = StepPlan(released=self._released)
-        self._released = []
+        plan = self.take_released()
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             self._admit(self.waiting.popleft())
@@ -98,6 +98,12 @@ class Scheduler:
             budget -= end - start
         return plan
 
+    def take_released(self) -> StepPlan:
+        """A plan that only frees (and snapshots) what finished since the last plan."""
+        plan = StepPlan(released=self._released, completed=self._completed)
+        self._released, self._completed = [], []
+        return plan
+
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
@@ -119,11 +125,11 @@ class Scheduler:
         events: list[TokenEvent] = []
         self.counters.prefilled_tokens += result.prefill_tokens
         for output in result.outputs:
+            if output.snapshot is not None and self.prefix_cache is not None:
+                self._store(output.snapshot)
             request = self.by_id.get(output.request_id)
             if request is None or request.status.is_finished:
                 continue
-            if output.snapshot is not None and self.prefix_cache is not None:
-                self._store(output.snapshot)
             if output.error is not None:
                 request.error = output.error
                 events.append(self._finish(request, RequestStatus.FINISHED_ERROR))
@@ -171,6 +177,14 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
             self._released.append(request.request_id)
+            finished_normally = status in (
+                RequestStatus.FINISHED_STOPPED,
+                RequestStatus.FINISHED_LENGTH,
+            )
+            if self.prefix_cache is not None and finished_normally and request.output_ids:
+                # The last sampled token was never fed, so the cache holds one fewer.
+                key = request.prompt_ids + request.output_ids[:-1]
+                self._completed.append((request.request_id, key))
         self.counters.finished += 1
         if status == RequestStatus.FINISHED_ABORTED:
             self.counters.aborted += 1
