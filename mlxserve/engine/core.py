@@ -126,11 +126,21 @@ class EngineCore:
                 self._emit(events)
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> list[TokenEvent]:
+        """One step in two phases; returns the second phase's events.
+
+        Phase one decodes and finishes short prompts; its tokens go out before
+        phase two feeds the partial chunks of long prompts, so streaming clients
+        do not wait for a long prefill chunk to see their next token.
+        """
         plan = scheduler.schedule()
-        result = runner.run(plan)
         if plan.has_work:
             self.steps += 1
-        events = scheduler.update(result)
+        first, second = plan.split_partial_prefills()
+        events = scheduler.update(runner.run(first))
+        if second.has_work:
+            if events:
+                self._emit(events)
+            events = scheduler.update(runner.run(second))
         # Free finished requests now, so their `prompt + output` snapshots are in
         # the prefix cache before the next request is admitted.
         scheduler.update(runner.run(scheduler.take_released()))

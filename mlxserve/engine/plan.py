@@ -41,6 +41,15 @@ class StepPlan:
     def has_work(self) -> bool:
         return bool(self.prefills or self.decodes)
 
+    def split_partial_prefills(self) -> tuple[StepPlan, StepPlan]:
+        """(everything that yields tokens now, the chunks that leave a prompt unfinished)."""
+        partial = [chunk for chunk in self.prefills if not chunk.is_last]
+        if not partial:
+            return self, StepPlan()
+        finishing = [chunk for chunk in self.prefills if chunk.is_last]
+        first = StepPlan(finishing, self.decodes, self.released, self.completed)
+        return first, StepPlan(prefills=partial)
+
 
 @dataclass
 class Snapshot:
