@@ -51,20 +51,33 @@ def test_concurrent_greedy_matches_single_runs(
         assert events[-1].completion_tokens == n
 
 
-class ThreadRecorder:
-    """Wraps a model adapter and records the thread of every model call."""
+class ModelWrapper:
+    """Wraps a model adapter; `check(inputs)` runs before every model call."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.threads: set[int] = set()
+
+    def check(self, inputs: mx.array) -> None:
+        raise NotImplementedError
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        self.threads.add(threading.get_ident())
+        self.check(inputs)
         return self.inner(inputs, cache)
 
     def last_logits(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        self.threads.add(threading.get_ident())
+        self.check(inputs)
         return self.inner.last_logits(inputs, cache)
+
+
+class ThreadRecorder(ModelWrapper):
+    """Records the thread of every model call."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.threads: set[int] = set()
+
+    def check(self, inputs: mx.array) -> None:
+        self.threads.add(threading.get_ident())
 
 
 def test_model_thread_is_loader_thread(model_dir_factory) -> None:
@@ -135,23 +148,12 @@ def test_explicit_abort_ends_stream_without_more_tokens(model_dir_factory) -> No
 POISON = 4242
 
 
-class Poisoned:
+class Poisoned(ModelWrapper):
     """A model that raises whenever its input holds the poison token."""
 
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def _check(self, inputs: mx.array) -> None:
+    def check(self, inputs: mx.array) -> None:
         if POISON in inputs.reshape(-1).tolist():
             raise ValueError("poisoned input")
-
-    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        self._check(inputs)
-        return self.inner(inputs, cache)
-
-    def last_logits(self, inputs: mx.array, cache: Any = None) -> mx.array:
-        self._check(inputs)
-        return self.inner.last_logits(inputs, cache)
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v4"])

@@ -40,7 +40,7 @@ from mlxserve.api.stream import (
     usage_chunk,
 )
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
-from mlxserve.engine.request import TokenEvent
+from mlxserve.engine.request import SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -216,14 +216,42 @@ async def _render(model: LoadedModel, req: ChatCompletionRequest) -> PromptIds:
         raise APIError(400, str(e), param="messages") from e
 
 
-def _meta(state: ServerState, prefix: str, kind: str, include_usage: bool) -> ResponseMeta:
+def _meta(
+    state: ServerState, prefix: str, kind: str, req: ChatCompletionRequest | CompletionRequest
+) -> ResponseMeta:
     return ResponseMeta(
         id=f"{prefix}-{uuid.uuid4().hex}",
         model=state.model_name,
         created=int(time.time()),
         kind=kind,
-        include_usage=include_usage,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
     )
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    req: ChatCompletionRequest | CompletionRequest,
+    model: LoadedModel,
+    ids: list[int],
+    params: SamplingParams,
+    meta: ResponseMeta,
+    arrival: float,
+    **pipeline_options: Any,
+) -> Response:
+    """Submit the prompt and answer with the pipeline's output, streamed or whole."""
+    pipeline = OutputPipeline(
+        model.tokenizer,
+        model.eos_token_ids,
+        len(ids),
+        stops=req.stop_strings(),
+        logprobs=params.logprobs,
+        prompt_tail=ids[-CONTEXT_TOKENS:],
+        **pipeline_options,
+    )
+    events = state.submit(ids, params, meta.id)
+    run = GenerationRun(state, meta, pipeline, events, arrival)
+    return await run.respond(request, bool(req.stream))
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
@@ -237,21 +265,19 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
     parser = state.parsers(model).create(
         thinking=thinking_mode(prompt.text, model), tools_given=req.tools_enabled
     )
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    meta = _meta(state, "chatcmpl", "chat", include_usage)
-    pipeline = OutputPipeline(
-        model.tokenizer,
-        model.eos_token_ids,
-        len(prompt.token_ids),
-        stops=req.stop_strings(),
+    meta = _meta(state, "chatcmpl", "chat", req)
+    return await _generate(
+        state,
+        request,
+        req,
+        model,
+        prompt.token_ids,
+        params,
+        meta,
+        arrival,
         parser=parser,
-        logprobs=params.logprobs,
         parallel_tool_calls=req.parallel_tool_calls is not False,
-        prompt_tail=prompt.token_ids[-CONTEXT_TOKENS:],
     )
-    events = state.submit(prompt.token_ids, params, meta.id)
-    run = GenerationRun(state, meta, pipeline, events, arrival)
-    return await run.respond(request, bool(req.stream))
 
 
 def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
@@ -276,17 +302,5 @@ async def completions(state: ServerState, request: Request) -> Response:
     model = state.require_model()
     ids = await asyncio.to_thread(_completion_ids, model, req)
     params = state.sampling_params(model, req, len(ids))
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    meta = _meta(state, "cmpl", "text", include_usage)
-    pipeline = OutputPipeline(
-        model.tokenizer,
-        model.eos_token_ids,
-        len(ids),
-        stops=req.stop_strings(),
-        parser=None,
-        logprobs=params.logprobs,
-        prompt_tail=ids[-CONTEXT_TOKENS:],
-    )
-    events = state.submit(ids, params, meta.id)
-    run = GenerationRun(state, meta, pipeline, events, arrival)
-    return await run.respond(request, bool(req.stream))
+    meta = _meta(state, "cmpl", "text", req)
+    return await _generate(state, request, req, model, ids, params, meta, arrival, parser=None)
