@@ -182,6 +182,11 @@ def test_tool_result_round_trip_prompt_is_byte_exact(single: ServerThread) -> No
     tokenizer = single.state.engine.model.tokenizer
     assert tokenizer.decode(seen[0]) == ROUND_TRIP["prompt"]
     assert seen[0] == ROUND_TRIP["token_ids"]
+    # The agent loop reuses the first turn from the prefix cache.
+    assert first.usage is not None and second.usage is not None
+    details = second.usage.prompt_tokens_details
+    assert details is not None and details.cached_tokens is not None
+    assert details.cached_tokens >= first.usage.prompt_tokens
 
 
 def test_tool_choice_none_disables_tool_parsing(single: ServerThread) -> None:
