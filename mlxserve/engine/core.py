@@ -13,13 +13,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from mlxserve.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class EngineCore:
         self.model: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self.runner: Runner | None = None
-        self.prefix_cache: Any = None
+        self.prefix_cache: PrefixCache | None = None
         self.thread_id: int | None = None
         self.steps = 0
 

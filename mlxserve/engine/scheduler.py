@@ -10,11 +10,15 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.plan import PrefillChunk, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.sampling import SampledRow
+
+if TYPE_CHECKING:
+    from mlxserve.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +38,9 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, eos_ids: frozenset[int], prefix_cache=None) -> None:
+    def __init__(
+        self, config: EngineConfig, eos_ids: frozenset[int], prefix_cache: PrefixCache | None = None
+    ) -> None:
         self.config = config
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
@@ -191,7 +197,13 @@ class Scheduler:
         elif status == RequestStatus.FINISHED_ERROR:
             self.counters.errors += 1
 
-    def _event(self, request: Request, token, logprob, top) -> TokenEvent:
+    def _event(
+        self,
+        request: Request,
+        token: int | None,
+        logprob: float | None,
+        top: tuple[tuple[int, float], ...] | None,
+    ) -> TokenEvent:
         return TokenEvent(
             request_id=request.request_id,
             token_id=token,
