@@ -184,3 +184,16 @@ def test_generate_cli(model_dir_factory, capsys: pytest.CaptureFixture[str]) -> 
     path = model_dir_factory("llama")
     assert cli_main(["generate", str(path), "--prompt", "hi", "--max-tokens", "4"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_last_logits_with_tied_embeddings(tmp_path: Path, model_dir_factory) -> None:
+    tied = tmp_path / "tied"
+    shutil.copytree(model_dir_factory("qwen3"), tied)
+    config = json.loads((tied / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (tied / "config.json").write_text(json.dumps(config))
+    model = load(tied)
+    ids = model.tokenizer.encode(PROMPT)
+    full = model.model(mx.array([ids]), model.make_cache())[:, -1, :]
+    last = model.model.last_logits(mx.array([ids]), model.make_cache())
+    assert mx.allclose(full, last, atol=1e-3).item()

@@ -44,11 +44,11 @@ class ModelAdapter:
             return linear(self.module.lm_head, hidden[:, -1:, :])[:, -1, :]
         if self.model_type in _PLAIN_HEAD_TYPES:
             hidden = self.module.model(inputs, cache)[:, -1:, :]
-            head = getattr(self.module, "lm_head", None)
-            if head is None:
+            tied = getattr(getattr(self.module, "args", None), "tie_word_embeddings", False)
+            if tied or not hasattr(self.module, "lm_head"):
                 logits = self.module.model.embed_tokens.as_linear(hidden)
             else:
-                logits = head(hidden)
+                logits = self.module.lm_head(hidden)
             return logits[:, -1, :]
         return self(inputs, cache)[:, -1, :]
 
