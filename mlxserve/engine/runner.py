@@ -1,9 +1,11 @@
 """The only code that touches mlx arrays: prefill chunks, batched decode, sampling.
 
-Models whose caches are all plain `KVCache` decode as one batch (mlx-lm's
-`BatchKVCache`, left-padded). Other cache types (sliding-window, pooled,
-DeepSeek-V4.1 layer caches) cannot be merged by mlx-lm, so each such request
-decodes as its own batch of one.
+Requests prefill alone, each over its own cache. A finished prefill joins the
+decode batch when every layer of its cache can be merged: plain `KVCache`
+(mlx-lm's `BatchKVCache`, left-padded) and mlx-vlm's DeepSeek-V4 caches
+(sliding-window KV, pooling and carrying-pooling caches, CacheLists of those;
+see `models/dsv4_batch.py`). Other cache types (e.g. DeepSeek-V4.1 layer
+caches) cannot be merged, so each such request decodes as its own batch of one.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def _mergeable(layer: Any) -> bool:
+    if type(layer) is KVCache:
+        return True
+    from mlxserve.models.dsv4_batch import mergeable
+
+    return mergeable(layer)
+
+
+def _merge_layer(layer: Any) -> Any:
+    """One request's layer cache as a batch of one, chosen by cache type."""
+    if type(layer) is KVCache:
+        return BatchKVCache.merge([layer])
+    from mlxserve.models.dsv4_batch import merge_layer
+
+    return merge_layer(layer)
+
+
 @dataclass
 class DecodeBatch:
     """Requests decoding together over one batched cache (row i = request_ids[i])."""
@@ -40,7 +59,7 @@ class DecodeBatch:
     cache: list[Any] = field(default_factory=list)
 
     def add(self, request_id: str, cache: list[Any]) -> None:
-        merged = [BatchKVCache.merge([layer]) for layer in cache]
+        merged = [_merge_layer(layer) for layer in cache]
         if not self.request_ids:
             self.cache = merged
         else:
@@ -64,12 +83,15 @@ class Runner:
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
         probe = model.make_cache()
-        self.batchable = bool(probe) and all(type(layer) is KVCache for layer in probe)
+        # batchable: running requests decode as one batch over merged caches.
+        self.batchable = bool(probe) and all(_mergeable(layer) for layer in probe)
+        # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
+        self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
         if not self.batchable:
             kinds = sorted({type(layer).__name__ for layer in probe})
             logger.warning(
-                "%s caches (%s) cannot be merged into one batch by mlx-lm: each request "
-                "decodes as its own batch (correct, but decode does not scale with batch size)",
+                "%s caches (%s) cannot be merged into one batch: each request decodes "
+                "as its own batch (correct, but decode does not scale with batch size)",
                 model.model_type,
                 ", ".join(kinds),
             )
@@ -135,7 +157,7 @@ class Runner:
         Caches that cannot be trimmed never get such an entry: a later prompt
         that re-renders the reply differently could not reuse it.
         """
-        if not self.batchable:
+        if not self.completion_snapshots:
             return
         for request_id, key_ids in completed:
             if request_id not in self.batch.request_ids:

@@ -12,7 +12,9 @@ state; this module does the same with our own small classes:
 - `CarryingPoolingCache`: mlx-vlm's `PoolingCache` plus the last complete
   window (raw kv and gate), part of its `state`, so snapshots keep it.
 - `CarryingCompressor`: wraps a model's `Compressor` module (its weights, norm
-  and rope are reused) and pools with the carried window in front.
+  and rope are reused) and pools with the carried window in front. Over a
+  decode batch (`dsv4_batch.BatchCarryingPoolingCache`) each row keeps its
+  own carry, updated only when that row completes a window.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class CarryingCompressor(nn.Module):
 
     def __call__(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
         inner = self.inner
+        if hasattr(pool_cache, "set_carry"):  # dsv4_batch.BatchCarryingPoolingCache
+            return self._call_batch(x, pool_cache, offset)
         if not isinstance(pool_cache, CarryingPoolingCache):
             return inner(x, pool_cache, offset)
         kv = inner.wkv(x)
@@ -97,6 +101,35 @@ class CarryingCompressor(nn.Module):
         pooled = inner.norm(pooled)
         pooled = inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
         return pool_cache.update_and_fetch(pooled)
+
+    def _call_batch(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
+        """Rows of a batch complete windows at different steps; each keeps its own carry."""
+        inner = self.inner
+        kv = inner.wkv(x)
+        gate = inner.wgate(x)
+        ready_kv, ready_gate, pool_base = pool_cache.accumulate_windows(kv, gate, offset)
+        if ready_kv.size == 0:
+            empty = mx.zeros((x.shape[0], 0, inner.head_dim), dtype=x.dtype)
+            return pool_cache.update_and_fetch(empty)
+        ratio = inner.compress_ratio
+        windows_kv = mx.unflatten(ready_kv, 1, (-1, ratio))
+        windows_gate = mx.unflatten(ready_gate, 1, (-1, ratio))
+        carry_kv, carry_gate = pool_cache.carry_for(windows_kv, windows_gate)
+        # Column 0 is each row's carried window; row i's real windows are 1..n_i
+        # (rows that completed fewer windows are zero-padded after theirs).
+        windows_kv = mx.concatenate([carry_kv[:, None], windows_kv], axis=1)
+        windows_gate = mx.concatenate([carry_gate[:, None], windows_gate], axis=1)
+        pooled = overlap_pool(windows_kv, windows_gate, inner.ape)[:, 1:]
+        pooled = inner.norm(pooled)
+        pooled = inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
+        before = pool_cache.pool_lengths()
+        fetched = pool_cache.update_and_fetch(pooled)
+        completed = [n - b for n, b in zip(pool_cache.pool_lengths(), before, strict=True)]
+        # A row's new carry is its last completed window (column 0, the old carry, if none).
+        rows = mx.arange(len(completed))
+        last = mx.array(completed, dtype=mx.int32)
+        pool_cache.set_carry(windows_kv[rows, last], windows_gate[rows, last], completed)
+        return fetched
 
 
 def install(language_model: Any) -> int:
