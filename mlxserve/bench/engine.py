@@ -10,6 +10,7 @@ import asyncio
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.request import SamplingParams
-from mlxserve.models.load import load
+from mlxserve.models.load import VLM_TYPES, load, read_config
 from mlxserve.models.loaded import LoadedModel
 
 ROUNDS = 3
@@ -105,10 +106,34 @@ async def _ttft_under_long_prefill(engine: AsyncEngine, long: list[int], short: 
     return ttft
 
 
-async def _measure(model: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
-    engine = AsyncEngine(EngineConfig(prefix_cache=False), lambda: model)
+class _Reference:
+    """mlx-lm's own loops on a second copy of the model, all on one dedicated thread."""
+
+    def __init__(self, path: Path) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-lm-reference")
+        self.model: LoadedModel | None = None
+        self._path = path
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        if self.model is None:
+            self.model = await loop.run_in_executor(self._pool, load, self._path)
+        return await loop.run_in_executor(self._pool, fn, self.model, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+async def _measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    engine = AsyncEngine(EngineConfig(prefix_cache=False), lambda: load(path))
     engine.start()
     await engine.wait_ready()
+    model = engine.model
+    if model.model_type in VLM_TYPES:
+        raise SystemExit(
+            f"bench engine compares against mlx-lm, which cannot run {model.model_type}"
+        )
+    reference = _Reference(path)
     vocab = model.vocab_size
     prompt = [(i * 7919 + 13) % vocab for i in range(PROMPT_TOKENS)]
     prompts = [[(i * 104729 + j * 31 + 5) % vocab for i in range(PROMPT_TOKENS)] for j in range(8)]
@@ -120,17 +145,18 @@ async def _measure(model: LoadedModel, args: argparse.Namespace) -> dict[str, An
         for _ in range(ROUNDS):
             _, first, last = await _engine_stream(engine, prompt, tokens)
             ours.append(_decode_rate(first, last, tokens))
-            theirs.append(await asyncio.to_thread(_mlx_lm_rate, model, prompt, tokens))
+            theirs.append(await reference.call(_mlx_lm_rate, prompt, tokens))
             single.append(ours[-1])
             batched.append(await _batch_rate(engine, prompts, tokens))
         mlx_lm_single = statistics.median(theirs)
-        mlx_lm_batched = await asyncio.to_thread(_mlx_lm_batch_rate, model, prompts, tokens)
+        mlx_lm_batched = await reference.call(_mlx_lm_batch_rate, prompts, tokens)
         for _ in range(2):
             alone.append(await _ttft(engine, prompt))
             contended.append(await _ttft_under_long_prefill(engine, long, prompt))
     finally:
         await engine.shutdown()
-    unchunked = await _unchunked_ttft_ratio(model, long, prompt)
+        reference.close()
+    unchunked = await _unchunked_ttft_ratio(path, long, prompt)
     return {
         "model_type": model.model_type,
         "hidden_size": model.config.get("hidden_size"),
@@ -151,10 +177,10 @@ async def _measure(model: LoadedModel, args: argparse.Namespace) -> dict[str, An
     }
 
 
-async def _unchunked_ttft_ratio(model: LoadedModel, long: list[int], short: list[int]) -> float:
+async def _unchunked_ttft_ratio(path: Path, long: list[int], short: list[int]) -> float:
     """The same TTFT ratio with chunking off, for comparison."""
     config = EngineConfig(prefix_cache=False, max_prefill_tokens=len(long) + len(short))
-    engine = AsyncEngine(config, lambda: model)
+    engine = AsyncEngine(config, lambda: load(path))
     engine.start()
     await engine.wait_ready()
     try:
@@ -170,11 +196,14 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             path = Path(args.model)
+            model_type = read_config(path)["model_type"]
+            if model_type in VLM_TYPES:
+                print(f"bench engine compares with mlx-lm, which cannot run {model_type}")
+                return 2
         else:
             from mlxserve.models.synthetic import make_model
 
             path = make_model(Path(tmp) / "llama-h64", "llama", seed=0, hidden=64)
-        model = load(path)
-        figures = asyncio.run(_measure(model, args))
+        figures = asyncio.run(_measure(path, args))
     emit("engine", figures, args.json)
     return 0
