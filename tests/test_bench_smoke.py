@@ -1,0 +1,36 @@
+"""The engine and prefix-cache benchmarks run and report their contracted keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mlxserve.cli import main as cli_main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_engine_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    out = tmp_path / "engine.json"
+    model = str(model_dir_factory("llama"))
+    args = ["bench", "engine", "--model", model, "--tokens", "8", "--long-prompt", "256"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    for key in ("engine_efficiency", "batch_scaling_8", "short_ttft_under_long_prefill"):
+        assert figures[key] > 0
+
+
+def test_bench_prefix_cache_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    out = tmp_path / "prefix.json"
+    model = str(model_dir_factory("deepseek_v4"))
+    args = ["bench", "prefix-cache", "--model", model, "--prefix-tokens", "256"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["warm_over_cold"] < 1
+    assert figures["entries"] == 1
+    assert figures["hits"] == 7
+    assert figures["prefilled_tokens_per_warm_turn"] == figures["new_tokens_per_warm_turn"]
+    for key in ("cold_ttft_s", "warm_ttft_s"):
+        assert figures[key] > 0
