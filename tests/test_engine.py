@@ -30,12 +30,13 @@ def _oracle(model, prompts, max_tokens) -> list[list[int]]:
     return [greedy_generate(model, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+@pytest.mark.parametrize("family", ["llama", "llama_swa", "deepseek_v4"])
 @pytest.mark.parametrize("budget", [UNLIMITED, 16])
 def test_concurrent_greedy_matches_single_runs(
-    family: str, budget: int, loaded_factory, model_dir_factory
+    family: str, budget: int, model_dir_factory, swa_model_dir
 ) -> None:
-    model = loaded_factory(family)
+    path = swa_model_dir if family == "llama_swa" else model_dir_factory(family)
+    model = load(path)
     prompts = _prompts(model)
     max_tokens = [6, 9, 4, 12, 7, 10, 5, 8]
     expected = _oracle(model, prompts, max_tokens)
@@ -44,7 +45,7 @@ def test_concurrent_greedy_matches_single_runs(
         for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
     config = EngineConfig(max_prefill_tokens=budget, prefix_cache=False)
-    results = run_requests(config, lambda: load(model_dir_factory(family)), jobs)
+    results = run_requests(config, lambda: load(path), jobs)
     assert [tokens_of(events) for events in results] == expected
     for events, n in zip(results, max_tokens, strict=True):
         assert events[-1].finish_reason == "length"

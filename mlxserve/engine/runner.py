@@ -1,11 +1,11 @@
 """The only code that touches mlx arrays: prefill chunks, batched decode, sampling.
 
 Requests prefill alone, each over its own cache. A finished prefill joins the
-decode batch when every layer of its cache can be merged: plain `KVCache`
-(mlx-lm's `BatchKVCache`, left-padded) and mlx-vlm's DeepSeek-V4 caches
-(sliding-window KV, pooling and carrying-pooling caches, CacheLists of those;
-see `models/dsv4_batch.py`). Other cache types (e.g. DeepSeek-V4.1 layer
-caches) cannot be merged, so each such request decodes as its own batch of one.
+decode batch when every layer of its cache can be merged: mlx-lm's plain and
+sliding-window KV caches (`BatchKVCache`, `BatchRotatingKVCache`, left-padded)
+and mlx-vlm's DeepSeek-V4 caches (see `models/dsv4_batch.py`). Other cache
+types (e.g. DeepSeek-V4.1 layer caches) cannot be merged, so each such request
+decodes as its own batch of one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request
@@ -34,8 +34,12 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+# mlx-lm cache classes with a batched form of their own.
+_LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
+
+
 def _mergeable(layer: Any) -> bool:
-    if type(layer) is KVCache:
+    if type(layer) in _LM_BATCHED:
         return True
     from mlxserve.models.dsv4_batch import mergeable
 
@@ -44,8 +48,9 @@ def _mergeable(layer: Any) -> bool:
 
 def _merge_layer(layer: Any) -> Any:
     """One request's layer cache as a batch of one, chosen by cache type."""
-    if type(layer) is KVCache:
-        return BatchKVCache.merge([layer])
+    batched = _LM_BATCHED.get(type(layer))
+    if batched is not None:
+        return batched.merge([layer])
     from mlxserve.models.dsv4_batch import merge_layer
 
     return merge_layer(layer)
