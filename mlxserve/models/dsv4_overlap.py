@@ -73,63 +73,70 @@ class CarryingCompressor(nn.Module):
         self.inner = inner
 
     def __call__(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
-        inner = self.inner
         if hasattr(pool_cache, "set_carry"):  # dsv4_batch.BatchCarryingPoolingCache
             return self._call_batch(x, pool_cache, offset)
         if not isinstance(pool_cache, CarryingPoolingCache):
-            return inner(x, pool_cache, offset)
-        kv = inner.wkv(x)
-        gate = inner.wgate(x)
-        ready_kv, ready_gate, pool_base = pool_cache.accumulate_windows(kv, gate, offset)
-        if ready_kv.size == 0:
-            empty = mx.zeros((x.shape[0], 0, inner.head_dim), dtype=x.dtype)
-            return pool_cache.update_and_fetch(empty)
-        ratio = inner.compress_ratio
-        windows_kv = mx.unflatten(ready_kv, 1, (-1, ratio))
-        windows_gate = mx.unflatten(ready_gate, 1, (-1, ratio))
+            return self.inner(x, pool_cache, offset)
+        ready = self._ready_windows(x, pool_cache, offset)
+        if ready is None:
+            return pool_cache.update_and_fetch(self._empty(x))
+        windows_kv, windows_gate, pool_base = ready
         carry_kv, carry_gate = pool_cache.carry_kv, pool_cache.carry_gate
         carried = carry_kv is not None and carry_gate is not None
         if carry_kv is not None and carry_gate is not None:
             windows_kv = mx.concatenate([carry_kv[:, None], windows_kv], axis=1)
             windows_gate = mx.concatenate([carry_gate[:, None], windows_gate], axis=1)
-        pooled = overlap_pool(windows_kv, windows_gate, inner.ape)
+        pooled = overlap_pool(windows_kv, windows_gate, self.inner.ape)
         if carried:
             pooled = pooled[:, 1:]
         # Real copies: the pooling buffer is written again by the next call.
         pool_cache.carry_kv = mx.contiguous(windows_kv[:, -1]) + 0
         pool_cache.carry_gate = mx.contiguous(windows_gate[:, -1]) + 0
-        pooled = inner.norm(pooled)
-        pooled = inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
-        return pool_cache.update_and_fetch(pooled)
+        return pool_cache.update_and_fetch(self._place(pooled, pool_base))
 
     def _call_batch(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
         """Rows of a batch complete windows at different steps; each keeps its own carry."""
-        inner = self.inner
-        kv = inner.wkv(x)
-        gate = inner.wgate(x)
-        ready_kv, ready_gate, pool_base = pool_cache.accumulate_windows(kv, gate, offset)
-        if ready_kv.size == 0:
-            empty = mx.zeros((x.shape[0], 0, inner.head_dim), dtype=x.dtype)
-            return pool_cache.update_and_fetch(empty)
-        ratio = inner.compress_ratio
-        windows_kv = mx.unflatten(ready_kv, 1, (-1, ratio))
-        windows_gate = mx.unflatten(ready_gate, 1, (-1, ratio))
+        ready = self._ready_windows(x, pool_cache, offset)
+        if ready is None:
+            return pool_cache.update_and_fetch(self._empty(x))
+        windows_kv, windows_gate, pool_base = ready
         carry_kv, carry_gate = pool_cache.carry_for(windows_kv, windows_gate)
         # Column 0 is each row's carried window; row i's real windows are 1..n_i
         # (rows that completed fewer windows are zero-padded after theirs).
         windows_kv = mx.concatenate([carry_kv[:, None], windows_kv], axis=1)
         windows_gate = mx.concatenate([carry_gate[:, None], windows_gate], axis=1)
-        pooled = overlap_pool(windows_kv, windows_gate, inner.ape)[:, 1:]
-        pooled = inner.norm(pooled)
-        pooled = inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
+        pooled = overlap_pool(windows_kv, windows_gate, self.inner.ape)[:, 1:]
         before = pool_cache.pool_lengths()
-        fetched = pool_cache.update_and_fetch(pooled)
+        fetched = pool_cache.update_and_fetch(self._place(pooled, pool_base))
         completed = [n - b for n, b in zip(pool_cache.pool_lengths(), before, strict=True)]
         # A row's new carry is its last completed window (column 0, the old carry, if none).
         rows = mx.arange(len(completed))
         last = mx.array(completed, dtype=mx.int32)
         pool_cache.set_carry(windows_kv[rows, last], windows_gate[rows, last], completed)
         return fetched
+
+    def _ready_windows(
+        self, x: mx.array, pool_cache: Any, offset: Any
+    ) -> tuple[mx.array, mx.array, Any] | None:
+        """The windows this call completes, as (B, N, R, 2D) kv and gate, and their base."""
+        inner = self.inner
+        ready_kv, ready_gate, pool_base = pool_cache.accumulate_windows(
+            inner.wkv(x), inner.wgate(x), offset
+        )
+        if ready_kv.size == 0:
+            return None
+        ratio = inner.compress_ratio
+        windows_kv = mx.unflatten(ready_kv, 1, (-1, ratio))
+        windows_gate = mx.unflatten(ready_gate, 1, (-1, ratio))
+        return windows_kv, windows_gate, pool_base
+
+    def _empty(self, x: mx.array) -> mx.array:
+        return mx.zeros((x.shape[0], 0, self.inner.head_dim), dtype=x.dtype)
+
+    def _place(self, pooled: mx.array, pool_base: Any) -> mx.array:
+        """Normalise pooled entries and rotate them to their positions."""
+        pooled = self.inner.norm(pooled)
+        return self.inner.rope(pooled[:, None], offset=pool_base).squeeze(1)
 
 
 def install(language_model: Any) -> int:
