@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
@@ -40,7 +40,7 @@ from mlxserve.api.stream import (
     usage_chunk,
 )
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
-from mlxserve.engine.request import SamplingParams, TokenEvent
+from mlxserve.engine.request import TokenEvent
 from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -234,12 +234,12 @@ async def _generate(
     req: ChatCompletionRequest | CompletionRequest,
     model: LoadedModel,
     ids: list[int],
-    params: SamplingParams,
     meta: ResponseMeta,
     arrival: float,
     **pipeline_options: Any,
 ) -> Response:
     """Submit the prompt and answer with the pipeline's output, streamed or whole."""
+    params = state.sampling_params(model, req, len(ids))
     pipeline = OutputPipeline(
         model.tokenizer,
         model.eos_token_ids,
@@ -254,14 +254,23 @@ async def _generate(
     return await run.respond(request, bool(req.stream))
 
 
-async def chat_completions(state: ServerState, request: Request) -> Response:
-    arrival = time.monotonic()
-    req = parse_body(ChatCompletionRequest, await request.body())
+RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+
+
+async def _accept(
+    state: ServerState, request: Request, schema: type[RequestT]
+) -> tuple[RequestT, LoadedModel]:
+    """The validated body and the model to serve it (4xx/503 otherwise)."""
+    req = parse_body(schema, await request.body())
     req.check_supported()
     state.check_model_name(req.model)
-    model = state.require_model()
+    return req, state.require_model()
+
+
+async def chat_completions(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req, model = await _accept(state, request, ChatCompletionRequest)
     prompt = await _render(model, req)
-    params = state.sampling_params(model, req, len(prompt.token_ids))
     parser = state.parsers(model).create(
         thinking=thinking_mode(prompt.text, model), tools_given=req.tools_enabled
     )
@@ -272,7 +281,6 @@ async def chat_completions(state: ServerState, request: Request) -> Response:
         req,
         model,
         prompt.token_ids,
-        params,
         meta,
         arrival,
         parser=parser,
@@ -296,11 +304,7 @@ def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
 
 async def completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req = parse_body(CompletionRequest, await request.body())
-    req.check_supported()
-    state.check_model_name(req.model)
-    model = state.require_model()
+    req, model = await _accept(state, request, CompletionRequest)
     ids = await asyncio.to_thread(_completion_ids, model, req)
-    params = state.sampling_params(model, req, len(ids))
     meta = _meta(state, "cmpl", "text", req)
-    return await _generate(state, request, req, model, ids, params, meta, arrival, parser=None)
+    return await _generate(state, request, req, model, ids, meta, arrival, parser=None)

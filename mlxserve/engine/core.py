@@ -63,7 +63,6 @@ class EngineCore:
         self.scheduler: Scheduler | None = None
         self.runner: Runner | None = None
         self.prefix_cache: PrefixCache | None = None
-        self.thread_id: int | None = None
         self.steps = 0
 
     # -- called from other threads -----------------------------------------
@@ -87,7 +86,6 @@ class EngineCore:
 
     # -- the engine thread --------------------------------------------------
     def _main(self) -> None:
-        self.thread_id = threading.get_ident()
         try:
             self._load()
         except Exception as e:  # the load error is reported through /health
@@ -146,7 +144,9 @@ class EngineCore:
             events = scheduler.update(runner.run(second))
         # Free finished requests now, so their `prompt + output` snapshots are in
         # the prefix cache before the next request is admitted.
-        scheduler.update(runner.run(scheduler.take_released()))
+        released = scheduler.take_released()
+        if released.released:
+            scheduler.update(runner.run(released))
         return events
 
     def _fail_running(self, message: str) -> list[TokenEvent]:

@@ -20,6 +20,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
+    SampledRow,
     SamplerState,
     new_sampler_state,
     record_token,
@@ -212,7 +213,7 @@ class Runner:
         for request, row in zip(requests, rows, strict=True):
             result.outputs.append(RequestOutput(request.request_id, sampled=row))
 
-    def _sample(self, logits: mx.array, requests: list[Request]):
+    def _sample(self, logits: mx.array, requests: list[Request]) -> list[SampledRow]:
         states = [self.samplers[r.request_id] for r in requests]
         params = [r.params for r in requests]
         rows = sample_rows(logits, params, states)
