@@ -52,10 +52,10 @@ def thinking_from_signature(signature: str) -> str | None:
     if not signature.startswith(SIGNATURE_PREFIX):
         return None
     try:
-        packed = base64.urlsafe_b64decode(signature[len(SIGNATURE_PREFIX) :])
+        packed = base64.b64decode(signature[len(SIGNATURE_PREFIX) :], altchars=b"-_", validate=True)
         inflater = zlib.decompressobj()
         raw = inflater.decompress(packed, MAX_SIGNATURE_TEXT)
-        if inflater.unconsumed_tail:
+        if inflater.unconsumed_tail or not inflater.eof:
             return None
         return raw.decode("utf-8")
     except (binascii.Error, zlib.error, UnicodeDecodeError, ValueError):

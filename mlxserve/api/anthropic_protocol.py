@@ -50,7 +50,7 @@ class ThinkingConfig(_Strict):
 
 
 class OutputConfig(_Strict):
-    effort: str | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class CountTokensRequest(_Strict):
