@@ -397,3 +397,53 @@ def test_v41_takes_client_effort_names() -> None:
     medium = render_text(model, PromptRequest(messages=messages, reasoning_effort="medium"))
     low = render_text(model, PromptRequest(messages=messages, reasoning_effort="low"))
     assert medium == low and "Reasoning Effort: 25" in low
+
+
+class _FakeRun:
+    """What `_events` reads of a GenerationRun: its pipeline's usage and its deltas."""
+
+    def __init__(self, deltas: list[OutputDelta], wait_s: float = 0.0, fail: bool = False) -> None:
+        from types import SimpleNamespace
+
+        self.pipeline = SimpleNamespace(usage=Usage(prompt_tokens=5), stop_string=None)
+        self._deltas = deltas
+        self._wait_s = wait_s
+        self._fail = fail
+
+    async def deltas(self) -> Any:
+        import asyncio
+
+        from mlxserve.api.pipeline import EngineRequestFailed
+
+        await asyncio.sleep(self._wait_s)  # a long prefill
+        for delta in self._deltas:
+            yield delta
+        if self._fail:
+            raise EngineRequestFailed("the step failed")
+
+
+def _stream_names(run: _FakeRun, keepalive_s: float) -> list[str]:
+    import asyncio
+
+    from mlxserve.api.anthropic_routes import _events
+
+    async def main() -> list[bytes]:
+        return [chunk async for chunk in _events(run, MessageEvents(META), keepalive_s)]  # type: ignore[arg-type]
+
+    chunks = asyncio.run(main())
+    return [c.decode().split("\n", 1)[0].removeprefix("event: ") for c in chunks]
+
+
+def test_pings_while_the_prompt_prefills() -> None:
+    names = _stream_names(
+        _FakeRun([OutputDelta(content="Hi", finish_reason="stop")], wait_s=0.2), 0.02
+    )
+    assert names[:2] == ["message_start", "ping"]
+    first_block = names.index("content_block_start")
+    assert names[2:first_block].count("ping") >= 2
+    assert names[-2:] == ["message_delta", "message_stop"]
+
+
+def test_a_failure_mid_stream_is_an_error_event() -> None:
+    names = _stream_names(_FakeRun([OutputDelta(content="Hi")], fail=True), 10.0)
+    assert names[-1] == "error" and "message_stop" not in names

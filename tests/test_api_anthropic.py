@@ -401,3 +401,40 @@ def test_api_key_accepts_x_api_key_and_bearer(tmp_path: Path) -> None:
             anthropic.Anthropic(base_url=server.url, api_key="nope", max_retries=0).messages.create(
                 **body
             )
+
+
+def test_real_serve_process_runs_a_tool_session(tmp_path: Path) -> None:
+    """`mlxserve make-model --family scripted` + `mlxserve serve` as a user runs them."""
+    from api_fixtures import ServeProcess
+
+    from mlxserve.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    assert (
+        main(
+            ["make-model", str(ckpt), "--family", "scripted", "--script", CALL, "--script", ANSWER]
+        )
+        == 0
+    )
+    with ServeProcess(str(ckpt), "--served-model-name", MODEL) as server:
+        client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+        first = client.messages.create(**_request([{"role": "user", "content": QUESTION}]))
+        _assert_tool_turn(first)
+        history = [
+            {"role": "user", "content": QUESTION},
+            {
+                "role": "assistant",
+                "content": [b.model_dump(exclude_none=True) for b in first.content],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": first.content[1].id, "content": "22"}
+                ],
+            },
+        ]
+        with client.messages.stream(**_request(history)) as stream:
+            second = stream.get_final_message()
+        assert second.stop_reason == "end_turn"
+        assert second.content[-1].text == "It is 22 degrees in Paris."
+        assert second.usage.cache_read_input_tokens > 0

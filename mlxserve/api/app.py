@@ -86,6 +86,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def _completions(request: Request) -> Response:
         return await _generate(state, request, "text", completions)
 
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def _root() -> dict[str, str]:
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+        return {"name": "mlxserve", "model": state.model_name}
+
     @app.post("/v1/messages")
     async def _messages(request: Request) -> Response:
         return await _generate(state, request, "messages", messages)
