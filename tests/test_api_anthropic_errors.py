@@ -211,3 +211,35 @@ def test_script_path_checkpoint_loads_through_the_cli(tmp_path: Path) -> None:
     loaded = load(out)
     assert loaded.extra["scripted"] and len(loaded.extra["scripts"]) == 2
     assert main(["make-model", str(tmp_path / "x"), "--family", "scripted"]) == 2
+
+
+def test_stream_disconnect_aborts_the_request(tmp_path: Path) -> None:
+    import json as json_module
+    import time
+
+    from mlxserve.engine.request import RequestStatus
+
+    path = write_checkpoint(tmp_path, ["Hm.</think>" + "tick " * 3000])
+    args = serve_args("--served-model-name", MODEL, "--max-num-seqs", "1", model=str(path))
+    with (
+        ServerThread(args, lambda: load(path)) as server,
+        httpx.Client(base_url=server.url, timeout=60) as http,
+    ):
+        engine: Any = server.state.engine
+        body = _with(max_tokens=4000, stream=True)
+        with http.stream("POST", "/v1/messages", json=body) as response:
+            lines = response.iter_lines()
+            start = next(line for line in lines if line.startswith("data: "))
+            rid = json_module.loads(start[6:])["message"]["id"]
+            for _ in range(20):
+                next(lines)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            status = engine.request_status(rid)
+            if status is not None and status.is_finished:
+                break
+            time.sleep(0.02)
+        assert engine.request_status(rid) == RequestStatus.FINISHED_ABORTED
+        assert engine.stats()["running"] == 0
+        # One slot: the next request runs only because the aborted one freed it.
+        assert http.post("/v1/messages", json=_with(max_tokens=3)).status_code == 200
