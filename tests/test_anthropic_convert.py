@@ -447,3 +447,41 @@ def test_pings_while_the_prompt_prefills() -> None:
 def test_a_failure_mid_stream_is_an_error_event() -> None:
     names = _stream_names(_FakeRun([OutputDelta(content="Hi")], fail=True), 10.0)
     assert names[-1] == "error" and "message_stop" not in names
+
+
+def test_billing_header_block_is_left_out_of_the_prompt() -> None:
+    system = [
+        {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.b58;"},
+        {"type": "text", "text": "You are Claude Code."},
+    ]
+    assert openai_messages(_req(system=system))[0] == {
+        "role": "system",
+        "content": [{"type": "text", "text": "You are Claude Code."}],
+    }
+    only_header = openai_messages(_req(system=system[:1]))
+    assert [m["role"] for m in only_header] == ["user"]
+
+
+def test_output_format_becomes_the_system_response_format() -> None:
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}, "required": ["title"]}
+    config = {"effort": "high", "format": {"type": "json_schema", "schema": schema}}
+    with_system = openai_messages(_req(system="Title it.", output_config=config))
+    assert with_system[0] == {"role": "system", "content": "Title it.", "response_format": schema}
+    without = openai_messages(_req(output_config=config))
+    assert without[0] == {"role": "system", "content": "", "response_format": schema}
+
+
+def test_output_format_renders_deepseeks_response_format_section() -> None:
+    from mlxserve.chat import render_text
+    from mlxserve.models.scripted import scripted_model
+
+    schema = {"type": "object", "properties": {"title": {"type": "string"}}}
+    config = {"format": {"type": "json_schema", "schema": schema}}
+    text = render_text(
+        scripted_model("x"), prompt_request(_req(system="Title it.", output_config=config))
+    )
+    section = (
+        "Title it.\n\n## Response Format:\n\n"
+        "You MUST strictly adhere to the following schema to reply:\n" + json.dumps(schema)
+    )
+    assert section + "<｜User｜>hi" in text

@@ -30,6 +30,10 @@ from mlxserve.chat import PromptRequest
 logger = logging.getLogger(__name__)
 
 SIGNATURE_PREFIX = "mlxserve-v1."
+# Claude Code's first system block: billing metadata for Anthropic's servers, not an
+# instruction, and it differs between sessions; left in, it would end every
+# cross-session prefix-cache hit at the prompt's first tokens.
+BILLING_HEADER = "x-anthropic-billing-header:"
 MAX_SIGNATURE_TEXT = 16 * 1024 * 1024
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
 _warned: set[str] = set()
@@ -193,14 +197,30 @@ def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def _system_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    if isinstance(req.system, str):
+        return [{"role": "system", "content": req.system}] if req.system else []
+    if not req.system:
+        return []
+    parts = [
+        p for p in _text_parts(req.system, "system") if not p["text"].startswith(BILLING_HEADER)
+    ]
+    return [{"role": "system", "content": parts}] if parts else []
+
+
+def _with_output_format(req: CountTokensRequest, out: list[dict[str, Any]]) -> None:
+    """`output_config.format` as the system turn's response format (DeepSeek renders it)."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is None:
+        return
+    if not out or out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": ""})
+    out[0]["response_format"] = fmt.schema_
+
+
 def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     """The request's system prompt and messages as OpenAI chat messages."""
-    out: list[dict[str, Any]] = []
-    if isinstance(req.system, str):
-        if req.system:
-            out.append({"role": "system", "content": req.system})
-    elif req.system:
-        out.append({"role": "system", "content": _text_parts(req.system, "system")})
+    out = _system_messages(req)
     open_calls: set[str] = set()
     started = False
     for i, msg in enumerate(req.messages):
@@ -223,6 +243,7 @@ def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             "messages: a final assistant message (response prefill) is not supported",
             "messages",
         )
+    _with_output_format(req, out)
     return out
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 16
 
@@ -49,8 +49,14 @@ class ThinkingConfig(_Strict):
     display: str | None = None
 
 
+class OutputFormat(_Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
 class OutputConfig(_Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: OutputFormat | None = None
 
 
 class CountTokensRequest(_Strict):
