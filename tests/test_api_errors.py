@@ -122,10 +122,21 @@ def test_invalid_tool_schema(http: httpx.Client) -> None:
     assert _error(http, 400, chat_body(tools=[{"type": "retrieval"}]))["param"].startswith("tools")
 
 
-def test_unsupported_tool_choice_is_stated(http: httpx.Client) -> None:
+def test_impossible_structured_output_is_stated(http: httpx.Client) -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
-    err = _error(http, 400, chat_body(tools=tools, tool_choice="required"))
-    assert "not supported" in err["message"] and err["param"] == "tool_choice"
+    named = {"type": "function", "function": {"name": "g"}}
+    err = _error(http, 400, chat_body(tools=tools, tool_choice=named))
+    assert "not among the tools" in err["message"] and err["param"] == "tool_choice"
+    err = _error(http, 400, chat_body(tool_choice="required"))
+    assert err["param"] == "tool_choice"
+    err = _error(http, 400, chat_body(response_format={"type": "yaml"}))
+    assert err["param"] == "response_format"
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": "nope"}}
+    assert _error(http, 400, chat_body(response_format=bad_schema))["param"] == "response_format"
+    lookbehind = {"type": "string", "pattern": "(?<=a)b"}
+    unsupported = {"type": "json_schema", "json_schema": {"name": "x", "schema": lookbehind}}
+    err = _error(http, 400, chat_body(response_format=unsupported))
+    assert "look-around" in err["message"] and err["param"] == "response_format"
 
 
 def test_unknown_model_and_route(http: httpx.Client) -> None:

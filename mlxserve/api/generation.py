@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlxserve.api.structured import OutputConstraint
 from mlxserve.chat import PromptRequest
 
 
@@ -45,3 +46,5 @@ class ChatGeneration:
     tools_enabled: bool = False
     parallel_tool_calls: bool = True
     stream: bool = False
+    # Structured output: the answer must be JSON under a schema, or forced tool calls.
+    constraint: OutputConstraint | None = None

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
@@ -41,12 +42,14 @@ from mlxserve.api.stream import (
     text_response,
     usage_chunk,
 )
+from mlxserve.api.structured import OutputConstraint, StructuredOutputError, constraint_grammar
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
-from mlxserve.engine.request import TokenEvent
+from mlxserve.engine.request import Constraint, TokenEvent
 from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
 
+THINK_END = "</think>"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -246,10 +249,13 @@ def start_run(
     meta: ResponseMeta,
     arrival: float,
     stops: Sequence[str] = (),
+    constraint: Constraint | None = None,
     **pipeline_options: Any,
 ) -> GenerationRun:
     """Submit the prompt; the run yields the pipeline's output."""
     params = state.sampling_params(model, sampling, len(ids))
+    if constraint is not None:
+        params = replace(params, constraint=constraint)
     pipeline = OutputPipeline(
         model.tokenizer,
         model.eos_token_ids,
@@ -272,9 +278,12 @@ async def start_chat(
 ) -> tuple[PromptIds, GenerationRun]:
     """Render a chat request and submit it, with the model's reasoning and tool parsers."""
     prompt = await render_chat(model, gen.prompt)
-    parser = state.parsers(model).create(
-        thinking=thinking_mode(prompt.text, model), tools_given=gen.tools_enabled
-    )
+    thinking = thinking_mode(prompt.text, model)
+    spec = state.parsers(model)
+    parser = spec.create(thinking=thinking, tools_given=gen.tools_enabled)
+    constraint = None
+    if gen.constraint is not None:
+        constraint = await _engine_constraint(model, gen.constraint, spec.tool, thinking)
     run = start_run(
         state,
         model,
@@ -283,10 +292,33 @@ async def start_chat(
         meta,
         arrival,
         stops=gen.stops,
+        constraint=constraint,
         parser=parser,
         parallel_tool_calls=gen.parallel_tool_calls,
     )
     return prompt, run
+
+
+async def _engine_constraint(
+    model: LoadedModel, wanted: OutputConstraint, tool_syntax: str, thinking: bool
+) -> Constraint:
+    """The engine's grammar for a structured answer; in thinking mode it starts after `</think>`."""
+    param = "response_format" if wanted.json_schema is not None else "tool_choice"
+    try:
+        grammar = await asyncio.to_thread(constraint_grammar, wanted, tool_syntax)
+    except StructuredOutputError as e:
+        raise APIError(400, str(e), param=param) from e
+    if not thinking:
+        return Constraint(grammar)
+    end = model.tokenizer.get_vocab().get(THINK_END)
+    if end is None:
+        raise APIError(
+            400,
+            f"structured output in thinking mode needs a single {THINK_END} token; "
+            "turn thinking off for this request",
+            param=param,
+        )
+    return Constraint(grammar, start_after=(int(end),))
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)

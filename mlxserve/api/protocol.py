@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.structured import OutputConstraint
 from mlxserve.chat import PromptRequest
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -157,26 +158,72 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise APIError(
-                400,
-                "tool_choice 'required' and named tool choice are not supported yet; "
-                "use 'auto' or 'none'",
-                param="tool_choice",
-            )
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise APIError(
-                400,
-                f"response_format type {kind!r} is not supported",
-                param="response_format",
-            )
+        self.output_constraint()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
 
     @property
     def tools_enabled(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+    def _forced_tools(self) -> tuple[dict[str, Any], ...]:
+        """The functions `tool_choice` forces a call of (none for auto/none)."""
+        choice = self.tool_choice
+        if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
+            return ()
+        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
+        if not functions:
+            raise APIError(
+                400, "tool_choice forces a tool call but no tools are given", param="tool_choice"
+            )
+        if isinstance(choice, NamedToolChoice):
+            functions = [f for f in functions if f["name"] == choice.function.name]
+            if not functions:
+                raise APIError(
+                    400,
+                    f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                    param="tool_choice",
+                )
+        return tuple(functions)
+
+    def _response_schema(self) -> dict[str, Any] | None:
+        fmt = self.response_format
+        if fmt is None:
+            return None
+        kind = fmt.get("type")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return {"type": "object"}
+        if kind != "json_schema":
+            raise APIError(
+                400,
+                f"response_format type {kind!r} is not one of text, json_object, json_schema",
+                param="response_format",
+            )
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400,
+                "response_format json_schema needs json_schema.schema, a JSON schema object",
+                param="response_format",
+            )
+        return schema
+
+    def output_constraint(self) -> OutputConstraint | None:
+        """What the answer is forced to be (tool_choice required/named, response_format)."""
+        tools = self._forced_tools()
+        schema = self._response_schema()
+        if tools and schema is not None:
+            raise APIError(
+                400,
+                "a forced tool_choice and a JSON response_format exclude each other",
+                param="tool_choice",
+            )
+        if tools:
+            return OutputConstraint(tools=tools, parallel=self.parallel_tool_calls is not False)
+        return OutputConstraint(json_schema=schema) if schema is not None else None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -209,6 +256,7 @@ class ChatCompletionRequest(_SamplingFields):
             tools_enabled=self.tools_enabled,
             parallel_tool_calls=self.parallel_tool_calls is not False,
             stream=bool(self.stream),
+            constraint=self.output_constraint(),
         )
 
 

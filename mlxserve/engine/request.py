@@ -45,6 +45,18 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """Output that must follow a grammar (an llguidance grammar, serialized).
+
+    With `start_after`, the output is free until one of those token ids is
+    sampled (the end of a reasoning block); the grammar applies from there.
+    """
+
+    grammar: str
+    start_after: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. temperature 0 means greedy."""
 
@@ -62,6 +74,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         checks: list[tuple[bool, str]] = [

@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
@@ -105,6 +106,8 @@ class Runner:
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self._snapshots_supported = True
+        eos = min(model.eos_token_ids) if model.eos_token_ids else 0
+        self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
     # -- lifecycle ----------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
@@ -135,7 +138,9 @@ class Runner:
             if cache is None:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
-                self.samplers[rid] = new_sampler_state(request.params, request.prompt_ids)
+                self.samplers[rid] = new_sampler_state(
+                    request.params, request.prompt_ids, self.grammar
+                )
             tokens = mx.array([request.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
             logits = self.model.model.last_logits(tokens, cache)
             result.prefill_tokens += chunk.end - chunk.start

@@ -14,6 +14,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer
 from mlxserve.engine.request import SamplingParams
 
 
@@ -33,11 +34,23 @@ class SamplerState:
     seen_dirty: bool = True
     bias_ids: mx.array | None = None
     bias_values: mx.array | None = None
+    constraint: ConstraintState | None = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar masks this row's next token."""
+        return self.constraint is not None and self.constraint.active
 
 
-def new_sampler_state(params: SamplingParams, prompt_ids: list[int]) -> SamplerState:
+def new_sampler_state(
+    params: SamplingParams, prompt_ids: list[int], grammar: GrammarTokenizer | None = None
+) -> SamplerState:
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     state = SamplerState(key=mx.random.key(seed))
+    if params.constraint is not None:
+        if grammar is None:
+            raise ValueError("this model cannot take structured-output constraints")
+        state.constraint = ConstraintState(params.constraint, grammar)
     if params.repetition_penalty != 1.0:
         state.seen.update(prompt_ids)
     if params.logit_bias:
@@ -47,6 +60,8 @@ def new_sampler_state(params: SamplingParams, prompt_ids: list[int]) -> SamplerS
 
 
 def record_token(state: SamplerState, params: SamplingParams, token: int) -> None:
+    if state.constraint is not None:
+        state.constraint.advance(token)
     if params.presence_penalty or params.frequency_penalty:
         state.output_counts[token] += 1
     if params.repetition_penalty != 1.0 and token not in state.seen:
@@ -55,8 +70,12 @@ def record_token(state: SamplerState, params: SamplingParams, token: int) -> Non
 
 
 def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
-    """Penalties and logit bias on one (1, V) row of logits."""
+    """Grammar mask, penalties and logit bias on one (1, V) row of logits."""
     row = row.astype(mx.float32)
+    if state.constrained:
+        assert state.constraint is not None
+        allowed = state.constraint.allowed(row.shape[-1])
+        row = mx.where(allowed[None, :], row, -mx.inf)
     if params.repetition_penalty != 1.0 and state.seen:
         if state.seen_dirty or state.seen_array is None:
             state.seen_array = mx.array(sorted(state.seen), dtype=mx.int32)
@@ -102,7 +121,9 @@ def sample_rows(
     logits: mx.array, params_list: list[SamplingParams], states: list[SamplerState]
 ) -> list[SampledRow]:
     """Pick one token per row of (B, V) logits; one mx.eval for the whole batch."""
-    if all(_plain_greedy(p) for p in params_list):
+    if all(
+        _plain_greedy(p) and not s.constrained for p, s in zip(params_list, states, strict=True)
+    ):
         tokens = int_list(mx.argmax(logits, axis=-1))
         return [SampledRow(t, None, None) for t in tokens]
     picked: list[mx.array] = []

@@ -1,0 +1,229 @@
+"""Grammars for structured output: a JSON schema, or tool calls in the model's own syntax.
+
+Pure functions from what a request asks for (`OutputConstraint`) to an
+llguidance grammar (its serialized form, a string the engine's matcher takes):
+
+- `json_schema`: the answer is one JSON value valid under the schema.
+- tool calls: one or more calls (one with `parallel=False`) of the allowed
+  tools, written in DSML for DeepSeek-V4/V4.1 or as Hermes `<tool_call>` JSON,
+  each call's arguments valid under that tool's `parameters` schema.
+
+A schema the library cannot compile is a `StructuredOutputError` naming the
+problem (the API answers 400).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+
+MAX_SCHEMA_BYTES = 64 * 1024
+_DSML_PREFIX = {"deepseek_v4": "｜DSML｜", "deepseek_v41": "｜DSML｜ "}
+_DSML_BLOCK = {"deepseek_v4": "tool_calls", "deepseek_v41": "calls"}
+_REF_KEYS = ("$defs", "definitions")
+# Compact JSON as `json.dumps` writes it: no free whitespace, which a weak model
+# would otherwise fill forever.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _closed(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` wherever an object leaves it open.
+
+    Every output valid under the closed schema is valid under the original; the
+    closed one keeps a model from inventing keys forever. Branches of `allOf` are
+    left alone (closing them would exclude each other's keys).
+    """
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = {
+        k: (v if k in ("allOf", "enum", "const", "default", "examples") else _closed(v))
+        for k, v in schema.items()
+    }
+    if "properties" in out and "additionalProperties" not in out and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _compact(schema: Mapping[str, Any]) -> dict[str, Any]:
+    return {**_closed(schema), "x-guidance": _JSON_OPTIONS}
+
+
+class StructuredOutputError(ValueError):
+    """The requested structure cannot be enforced; the message says why."""
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """What a request's answer must be: JSON under `json_schema`, or calls of `tools`."""
+
+    json_schema: Mapping[str, Any] | None = None
+    tools: tuple[Mapping[str, Any], ...] = ()  # OpenAI function objects allowed
+    parallel: bool = True
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal of `text` (JSON escaping is valid Lark escaping)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _checked(grammar: str, what: str) -> str:
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StructuredOutputError(f"{what} cannot be enforced: {error}")
+    return grammar
+
+
+def _check_size(schema: Any, what: str) -> str:
+    if not isinstance(schema, Mapping):
+        raise StructuredOutputError(f"{what} must be a JSON schema object")
+    text = json.dumps(schema, ensure_ascii=False)
+    if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
+        raise StructuredOutputError(f"{what} is larger than {MAX_SCHEMA_BYTES} bytes")
+    return text
+
+
+def json_schema_grammar(schema: Mapping[str, Any]) -> str:
+    _check_size(schema, "the JSON schema")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(_compact(schema))
+    except (ValueError, TypeError) as e:
+        raise StructuredOutputError(f"the JSON schema cannot be enforced: {e}") from e
+    return _checked(grammar, "the JSON schema")
+
+
+def _with_defs(schema: Mapping[str, Any], root: Mapping[str, Any]) -> dict[str, Any]:
+    """A property's schema with the root's definitions, so its `$ref`s still resolve."""
+    out = dict(schema)
+    for key in _REF_KEYS:
+        if key in root and key not in out:
+            out[key] = root[key]
+    return out
+
+
+def _is_plain_string(schema: Mapping[str, Any]) -> bool:
+    """A string any text satisfies: DSML writes it raw (`string="true"`)."""
+    keys = set(schema) - {"type", "description", "title", "default", "examples"}
+    return schema.get("type") == "string" and not keys
+
+
+def _is_string_enum(schema: Mapping[str, Any]) -> bool:
+    values = schema.get("enum")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
+
+
+def _dsml_param(
+    rule: str, name: str, schema: Mapping[str, Any], root: Mapping[str, Any], p: str
+) -> list[str]:
+    close = _lark_string(f"</{p}parameter>")
+    if _is_plain_string(schema):
+        head = _lark_string(f'<{p}parameter name="{name}" string="true">')
+        return [f'{rule}: {head} {rule}_v "\\n"', f"{rule}_v[suffix={close}]: /(.|\\n)*/"]
+    if _is_string_enum(schema):
+        head = _lark_string(f'<{p}parameter name="{name}" string="true">')
+        values = " | ".join(_lark_string(v) for v in schema["enum"])
+        return [f'{rule}: {head} ({values}) {close} "\\n"']
+    head = _lark_string(f'<{p}parameter name="{name}" string="false">')
+    value = json.dumps(_compact(_with_defs(schema, root)), ensure_ascii=False)
+    return [f'{rule}: {head} %json{value} {close} "\\n"']
+
+
+def _dsml_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
+    name = function["name"]
+    params = function.get("parameters") or {"type": "object", "properties": {}}
+    properties = params.get("properties") or {}
+    required = set(params.get("required") or ())
+    rules: list[str] = []
+    parts: list[str] = []
+    for j, (key, schema) in enumerate(properties.items()):
+        rule = f"p{index}_{j}"
+        rules += _dsml_param(rule, key, schema if isinstance(schema, Mapping) else {}, params, p)
+        parts.append(rule if key in required else f"{rule}?")
+    missing = required - set(properties)
+    if missing:
+        raise StructuredOutputError(
+            f"tool {name!r}: required parameters {sorted(missing)} have no schema in 'properties'"
+        )
+    head = _lark_string(f'<{p}invoke name="{name}">\n')
+    tail = _lark_string(f"</{p}invoke>\n")
+    rules.insert(0, f"invoke{index}: {head} {' '.join(parts)} {tail}")
+    return rules
+
+
+def dsml_grammar(tools: Sequence[Mapping[str, Any]], dialect: str, parallel: bool) -> str:
+    """DSML tool calls (`dialect` "deepseek_v4" or "deepseek_v41") of the given tools."""
+    p, block = _DSML_PREFIX[dialect], _DSML_BLOCK[dialect]
+    rules: list[str] = []
+    for i, function in enumerate(tools):
+        _check_size(function.get("parameters") or {}, f"tool {function['name']!r} parameters")
+        rules += _dsml_invoke(i, function, p)
+    choice = " | ".join(f"invoke{i}" for i in range(len(tools)))
+    repeat = "+" if parallel else ""
+    opener = _lark_string(f"\n\n<{p}{block}>\n")
+    closer = _lark_string(f"</{p}{block}>")
+    lark = "\n".join([f"start: {opener} ({choice}){repeat} {closer}", *rules])
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
+
+
+def hermes_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+    """Hermes `<tool_call>{"name", "arguments"}</tool_call>` calls of the given tools."""
+    calls = []
+    for function in tools:
+        params = function.get("parameters") or {"type": "object"}
+        _check_size(params, f"tool {function['name']!r} parameters")
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = _compact(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    call = f'"<tool_call>\\n" %json{json.dumps(schema, ensure_ascii=False)} "\\n</tool_call>"'
+    lark = (
+        f"start: call ({_lark_string(chr(10))} call)*\ncall: {call}"
+        if parallel
+        else f"start: {call}"
+    )
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
+
+
+def constraint_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
+    """The grammar for `constraint`; `tool_syntax` is the model's tool parser name.
+
+    Built once per distinct constraint (agents repeat the same tools every turn).
+    """
+    key = json.dumps(
+        [constraint.json_schema, list(constraint.tools), constraint.parallel],
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    return _cached_grammar(key, tool_syntax)
+
+
+@functools.lru_cache(maxsize=128)
+def _cached_grammar(key: str, tool_syntax: str) -> str:
+    schema, tools, parallel = json.loads(key)
+    return _build_grammar(OutputConstraint(schema, tuple(tools), parallel), tool_syntax)
+
+
+def _build_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
+    if constraint.json_schema is not None:
+        return json_schema_grammar(constraint.json_schema)
+    if not constraint.tools:
+        raise StructuredOutputError("a tool-call constraint needs at least one tool")
+    if tool_syntax in _DSML_PREFIX:
+        return dsml_grammar(constraint.tools, tool_syntax, constraint.parallel)
+    if tool_syntax == "hermes":
+        return hermes_grammar(constraint.tools, constraint.parallel)
+    raise StructuredOutputError(
+        f"this model's tool-call syntax ({tool_syntax!r}) cannot be enforced; "
+        "use tool_choice 'auto'"
+    )
