@@ -43,7 +43,10 @@ class ResponseShell:
 def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
     return {
         "input_tokens": usage.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": min(usage.cached_tokens, usage.prompt_tokens)},
+        "input_tokens_details": {
+            "cached_tokens": min(usage.cached_tokens, usage.prompt_tokens),
+            "cache_write_tokens": 0,  # the SDK's type requires it; nothing is billed here
+        },
         "output_tokens": usage.completion_tokens,
         "output_tokens_details": {
             "reasoning_tokens": min(reasoning_tokens, usage.completion_tokens)
