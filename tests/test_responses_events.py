@@ -1,8 +1,10 @@
-"""Pipeline deltas -> Responses events: table tests of the pure writer, and the store."""
+"""Pipeline deltas -> Responses events: the pure writer (tables), the stream, the store."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 from collections.abc import Callable
 from typing import Any, get_args
 
@@ -10,8 +12,16 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from mlxserve.api.errors import APIError
-from mlxserve.api.pipeline import Accumulator, OutputDelta, ToolCallDelta, Usage
+from mlxserve.api.keepalive import SSE_COMMENT
+from mlxserve.api.pipeline import (
+    Accumulator,
+    EngineRequestFailed,
+    OutputDelta,
+    ToolCallDelta,
+    Usage,
+)
 from mlxserve.api.responses_events import ResponseEvents, ResponseShell, response_body
+from mlxserve.api.responses_routes import event_stream
 from mlxserve.api.responses_store import ResponseStore
 from mlxserve.api.sealed import unseal_reasoning
 
@@ -310,3 +320,53 @@ def test_store_of_zero_keeps_nothing() -> None:
         store.get("resp_1")
     with pytest.raises(ValueError):
         ResponseStore(-1)
+
+
+class _FakeRun:
+    """What the stream writer reads from a GenerationRun: its deltas and usage."""
+
+    def __init__(self, deltas: list[OutputDelta | Exception], pause_s: float = 0.0) -> None:
+        self._deltas = deltas
+        self._pause_s = pause_s
+        self.pipeline = type("P", (), {"usage": USAGE})()
+
+    async def deltas(self) -> Any:
+        for delta in self._deltas:
+            await asyncio.sleep(self._pause_s)
+            if isinstance(delta, Exception):
+                raise delta
+            yield delta
+
+
+def _stream(run: _FakeRun, keepalive_s: float = 10.0) -> tuple[list[bytes], list[Any]]:
+    kept: list[Any] = []
+    writer = ResponseEvents(_shell(), new_id=_ids())
+
+    async def collect() -> list[bytes]:
+        frames = event_stream(run, writer, keepalive_s, kept.append, len)  # type: ignore[arg-type]
+        return [frame async for frame in frames]
+
+    return asyncio.run(collect()), kept
+
+
+def _sse_types(frames: list[bytes]) -> list[str]:
+    return [json.loads(f.split(b"data: ", 1)[1])["type"] for f in frames if f.startswith(b"event:")]
+
+
+def test_stream_sends_keepalive_comments_while_waiting() -> None:
+    run = _FakeRun([OutputDelta(content="Hi", finish_reason="stop")], pause_s=0.2)
+    frames, kept = _stream(run, keepalive_s=0.02)
+    assert SSE_COMMENT in frames
+    assert _sse_types(frames)[-1] == "response.completed"
+    assert len(kept) == 1 and kept[0]["status"] == "completed"
+    assert kept[0]["usage"]["output_tokens_details"]["reasoning_tokens"] == 0
+
+
+def test_stream_failure_is_error_then_response_failed_and_not_stored() -> None:
+    run = _FakeRun([OutputDelta(content="Par"), EngineRequestFailed("step blew up")])
+    frames, kept = _stream(run)
+    types = _sse_types(frames)
+    assert types[-2:] == ["error", "response.failed"]
+    assert "response.completed" not in types and kept == []
+    failed = json.loads(frames[-1].split(b"data: ", 1)[1])
+    assert failed["response"]["error"]["message"] == "generation failed: step blew up"

@@ -44,7 +44,7 @@ def _frame(event: Event) -> bytes:
     return sse_event((str(event["type"]), event))
 
 
-async def _events(
+async def event_stream(
     run: GenerationRun,
     writer: ResponseEvents,
     keepalive_s: float,
@@ -142,7 +142,7 @@ class ResponsesAPI:
         if turn.generation.stream:
             writer = ResponseEvents(shell)
             keepalive_s = state.config.keepalive_interval_s
-            return run.stream_response(_events(run, writer, keepalive_s, keep, count))
+            return run.stream_response(event_stream(run, writer, keepalive_s, keep, count))
         return await run.json_response(request, _body(run, shell, keep, count))
 
     def retrieve(self, response_id: str) -> JSONResponse:
