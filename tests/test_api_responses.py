@@ -398,3 +398,53 @@ def test_eight_turn_session_hits_the_cache_and_matches_chat(stateful: bool) -> N
     # Each turn's prompt extends the last one's, and equals the chat-completions prompt.
     assert all(b[: len(a)] == a for a, b in itertools.pairwise(prompts))
     assert chat == prompts
+
+
+NAMESPACE = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "spawn_agent",
+            "description": "Spawn a sub-agent.",
+            "strict": False,
+            "parameters": {
+                "type": "object",
+                "properties": {"message": {"type": "string"}},
+                "required": ["message"],
+            },
+        }
+    ],
+}
+SPAWN = (
+    "Spawn a helper.</think>\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="multi_agent_v1.spawn_agent">\n'
+    '<｜DSML｜parameter name="message" string="true">Count files</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+
+
+def test_namespaced_function_round_trip() -> None:
+    """A Codex-shaped request: a namespace call comes back split, and re-renders the same."""
+    tools = [WEATHER, NAMESPACE, HOSTED]
+    body: dict[str, Any] = {"model": MODEL, "tools": tools, "include": ENCRYPTED, "store": False}
+    with _server([SPAWN, "Done.</think>The helper is running."]) as srv:
+        client = _client(srv.base_url)
+        question = {"role": "user", "content": "Start a helper."}
+        with client.responses.stream(input=[question], **body) as stream:
+            added = [e for e in stream if e.type == "response.output_item.added"]
+            first = stream.get_final_response()
+        assert added[-1].item.type == "function_call"
+        call = first.output[-1]
+        assert call.type == "function_call"
+        assert (call.namespace, call.name) == ("multi_agent_v1", "spawn_agent")
+        assert json.loads(call.arguments) == {"message": "Count files"}
+        items = [item.model_dump(exclude_none=True) for item in first.output]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "started"}
+        second = client.responses.create(input=[question, *items, result], **body)
+    assert second.output_text == "The helper is running."
+    assert first.usage is not None and second.usage is not None
+    cached = second.usage.input_tokens_details.cached_tokens
+    assert cached >= first.usage.input_tokens + first.usage.output_tokens - 1
