@@ -321,6 +321,14 @@ SESSION.append("All done.</think>Seven cities checked.")
 QUESTION = "Check the weather in seven cities, one at a time."
 
 
+def _turn(client: openai.OpenAI, body: dict[str, Any], stream: bool) -> Any:
+    """One turn, streamed (what Codex does) or not; the final response either way."""
+    if not stream:
+        return client.responses.create(**body)
+    with client.responses.stream(**body) as events:
+        return events.get_final_response()
+
+
 def _responses_session(srv: ServerThread, stateful: bool) -> tuple[list[list[int]], list[int]]:
     """Eight turns through /v1/responses: the prompts submitted and cached_tokens per turn."""
     client = _client(srv.base_url)
@@ -329,16 +337,18 @@ def _responses_session(srv: ServerThread, stateful: bool) -> tuple[list[list[int
     previous: str | None = None
     prompts: list[list[int]] = []
     cached: list[int] = []
+    sizes: list[int] = []
     for turn in range(8):
         body: dict[str, Any] = {"model": MODEL, "tools": [WEATHER], "include": ENCRYPTED}
         if stateful:
             body.update(input=new_input, previous_response_id=previous)
         else:
             body.update(input=items, store=False)
-        out, seen = _submitted(srv, lambda: client.responses.create(**body))  # noqa: B023
+        out, seen = _submitted(srv, lambda: _turn(client, body, stream=turn % 2 == 1))  # noqa: B023
         prompts += seen
         assert out.usage is not None
         cached.append(out.usage.input_tokens_details.cached_tokens)
+        sizes.append(out.usage.input_tokens)
         output = [item.model_dump(exclude_none=True) for item in out.output]
         if turn == 7:
             assert out.output_text == "Seven cities checked."
@@ -350,6 +360,7 @@ def _responses_session(srv: ServerThread, stateful: bool) -> tuple[list[list[int
         result = {"type": "function_call_output", "call_id": call["call_id"], "output": "22 C"}
         items += [*output, result]
         new_input, previous = [result], out.id
+    print(f"stateful={stateful} input_tokens={sizes} cached_tokens={cached}")
     return prompts, cached
 
 
@@ -393,7 +404,6 @@ def test_eight_turn_session_hits_the_cache_and_matches_chat(stateful: bool) -> N
     with _server(SESSION) as srv:
         prompts, cached = _responses_session(srv, stateful)
         chat = _chat_session(srv)
-    print(f"stateful={stateful} cached_tokens per turn: {cached}")
     assert len(prompts) == 8 and all(c > 0 for c in cached[1:]), cached
     # Each turn's prompt extends the last one's, and equals the chat-completions prompt.
     assert all(b[: len(a)] == a for a, b in itertools.pairwise(prompts))
