@@ -370,7 +370,7 @@ def _chat_session(srv: ServerThread) -> list[list[int]]:
     tools = [
         {
             "type": "function",
-            "function": {k: WEATHER[k] for k in ("name", "description", "parameters")},
+            "function": {k: WEATHER[k] for k in ("name", "description", "parameters", "strict")},
         }
     ]
     messages: list[Any] = [{"role": "user", "content": QUESTION}]

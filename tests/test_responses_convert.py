@@ -298,6 +298,7 @@ def test_tools_namespaces_flatten_and_hosted_tools_are_left_out(
         "name": "get_weather",
         "description": "Get the current weather for a city",
         "parameters": WEATHER["parameters"],
+        "strict": False,
     }
     assert turn.namespaces == {"multi_agent_v1.spawn_agent": ("multi_agent_v1", "spawn_agent")}
 

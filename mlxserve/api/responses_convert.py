@@ -298,7 +298,9 @@ def chat_messages(
 
 
 def _function(tool: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
-    spec = {k: tool.get(k) for k in ("description", "parameters") if tool.get(k) is not None}
+    # The same function object a chat-completions client sends, so both render alike.
+    keys = ("description", "parameters", "strict")
+    spec = {k: tool.get(k) for k in keys if tool.get(k) is not None}
     try:
         checked = FunctionSpec.model_validate({"name": name, **spec})
     except ValidationError as e:
