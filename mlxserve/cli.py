@@ -55,6 +55,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=10.0,
         help="seconds of silence (a long prefill) before a stream sends a keep-alive",
     )
+    p.add_argument(
+        "--responses-store",
+        type=int,
+        default=256,
+        help="responses kept in memory for previous_response_id (LRU); 0 keeps none",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler="mlxserve.api.serve:run")
 

@@ -59,6 +59,8 @@ class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     # Seconds of silence (a long prefill) after which a stream sends a keep-alive.
     keepalive_interval_s: float = 10.0
+    # Responses kept in memory for `previous_response_id` (LRU); 0 keeps none.
+    responses_store: int = 256
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -67,3 +69,5 @@ class ServerConfig:
             raise ValueError("keepalive_interval_s must be positive")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")
+        if self.responses_store < 0:
+            raise ValueError("responses_store must be >= 0")

@@ -15,26 +15,22 @@ the exact reasoning and the next turn's prompt extends this one's.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import logging
-import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
 from mlxserve.chat import PromptRequest
 
 logger = logging.getLogger(__name__)
 
-SIGNATURE_PREFIX = "mlxserve-v1."
 # Claude Code's first system block: billing metadata for Anthropic's servers, not an
 # instruction, and it differs between sessions; left in, it would end every
 # cross-session prefix-cache hit at the prompt's first tokens.
 BILLING_HEADER = "x-anthropic-billing-header:"
-MAX_SIGNATURE_TEXT = 16 * 1024 * 1024
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
 _warned: set[str] = set()
 
@@ -45,25 +41,9 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
         logger.warning(message, *args)
 
 
-def sign_thinking(text: str) -> str:
-    """The `signature` of a thinking block: its text, compressed (opaque to clients)."""
-    packed = base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"), 6)).decode("ascii")
-    return SIGNATURE_PREFIX + packed
-
-
-def thinking_from_signature(signature: str) -> str | None:
-    """The text a signature of ours holds; None for anyone else's signature."""
-    if not signature.startswith(SIGNATURE_PREFIX):
-        return None
-    try:
-        packed = base64.b64decode(signature[len(SIGNATURE_PREFIX) :], altchars=b"-_", validate=True)
-        inflater = zlib.decompressobj()
-        raw = inflater.decompress(packed, MAX_SIGNATURE_TEXT)
-        if inflater.unconsumed_tail or not inflater.eof:
-            return None
-        return raw.decode("utf-8")
-    except (binascii.Error, zlib.error, UnicodeDecodeError, ValueError):
-        return None
+# Thinking signatures are sealed reasoning text (shared with the Responses route).
+sign_thinking = seal_reasoning
+thinking_from_signature = unseal_reasoning
 
 
 def _bad(message: str, param: str | None = None) -> APIError:

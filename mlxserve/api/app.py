@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from mlxserve.api.anthropic_routes import count_tokens, messages
 from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
 from mlxserve.api.handlers import ClientGone, chat_completions, completions
+from mlxserve.api.responses_routes import ResponsesAPI
+from mlxserve.api.responses_store import ResponseStore
 from mlxserve.api.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -94,6 +96,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/messages")
     async def _messages(request: Request) -> Response:
         return await _generate(state, request, "messages", messages)
+
+    responses = ResponsesAPI(ResponseStore(state.config.responses_store))
+    app.state.responses = responses
+
+    @app.post("/v1/responses")
+    async def _responses(request: Request) -> Response:
+        return await _generate(state, request, "responses", responses.create)
+
+    @app.get("/v1/responses/{response_id}")
+    async def _get_response(request: Request, response_id: str) -> Response:
+        check_api_key(request, state.config.api_key)
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def _delete_response(request: Request, response_id: str) -> Response:
+        check_api_key(request, state.config.api_key)
+        return responses.delete(response_id)
 
     @app.post("/v1/messages/count_tokens")
     async def _count_tokens(request: Request) -> Response:
