@@ -308,24 +308,38 @@ def test_only_hosted_tools_means_no_tool_parsing() -> None:
     assert gen.prompt.tools is None and not gen.tools_enabled
 
 
-def test_text_format_asks_in_the_system_message() -> None:
+def test_text_format_asks_in_the_system_message_and_constrains() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}
     gen = to_turn(_req(input="Hi", instructions="Sys.", text={"format": fmt})).generation
     first = gen.prompt.messages[0]
     assert first["role"] == "system" and first["content"] == "Sys."
-    assert first["response_format"] == {
-        "type": "json_schema",
-        "json_schema": {"name": "answer", "schema": schema, "strict": True},
-    }
+    assert first["response_format"] == schema
+    assert gen.constraint is not None and gen.constraint.json_schema == schema
     gen = to_turn(_req(input="Hi", text={"format": {"type": "json_object"}})).generation
     assert gen.prompt.messages[0] == {
         "role": "system",
         "content": "",
         "response_format": {"type": "json_object"},
     }
+    assert gen.constraint is not None and gen.constraint.json_schema == {"type": "object"}
     gen = to_turn(_req(input="Hi", text={"format": {"type": "text"}})).generation
     assert gen.prompt.messages == [{"role": "user", "content": "Hi"}]
+    assert gen.constraint is None
+
+
+def test_forced_tool_choice_constrains_the_calls() -> None:
+    other = {**WEATHER, "name": "other"}
+    gen = to_turn(_req(input="Hi", tools=[WEATHER, other], tool_choice="required")).generation
+    assert gen.constraint is not None
+    assert [f["name"] for f in gen.constraint.tools] == ["get_weather", "other"]
+    named = {"type": "function", "name": "other"}
+    gen = to_turn(
+        _req(input="Hi", tools=[WEATHER, other], tool_choice=named, parallel_tool_calls=False)
+    ).generation
+    assert gen.constraint is not None and not gen.constraint.parallel
+    assert [f["name"] for f in gen.constraint.tools] == ["other"]
+    assert to_turn(_req(input="Hi", tools=[WEATHER])).generation.constraint is None
 
 
 BAD_CASES: list[tuple[str, dict[str, Any], str]] = [

@@ -23,6 +23,7 @@ from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
+from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
 from mlxserve.chat import PromptRequest
 
 logger = logging.getLogger(__name__)
@@ -188,14 +189,9 @@ def _system_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
     return [{"role": "system", "content": parts}] if parts else []
 
 
-def _with_output_format(req: CountTokensRequest, out: list[dict[str, Any]]) -> None:
-    """`output_config.format` as the system turn's response format (DeepSeek renders it)."""
+def _output_schema(req: CountTokensRequest) -> dict[str, Any] | None:
     fmt = req.output_config.format if req.output_config is not None else None
-    if fmt is None:
-        return
-    if not out or out[0]["role"] != "system":
-        out.insert(0, {"role": "system", "content": ""})
-    out[0]["response_format"] = fmt.schema_
+    return fmt.schema_ if fmt is not None else None
 
 
 def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
@@ -223,8 +219,8 @@ def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             "messages: a final assistant message (response prefill) is not supported",
             "messages",
         )
-    _with_output_format(req, out)
-    return out
+    schema = _output_schema(req)
+    return out if schema is None else with_response_format(out, schema)
 
 
 def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
@@ -260,11 +256,20 @@ def _check_tool_choice(req: CountTokensRequest, tools: list[dict[str, Any]] | No
         raise _bad(
             f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice"
         )
-    _warn_once(
-        "tool_choice",
-        "tool_choice %r is served like 'auto': the model is asked, not forced, to call a tool",
-        choice.type,
-    )
+
+
+def _constraint(
+    req: MessagesRequest, tools: Sequence[Mapping[str, Any]] | None
+) -> OutputConstraint | None:
+    """`tool_choice` any/tool forces calls; `output_config.format` forces JSON."""
+    choice = req.tool_choice
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    if choice is not None and choice.type == "any":
+        return forced_calls(tools, None, parallel)
+    if choice is not None and choice.type == "tool":
+        return forced_calls(tools, choice.name, parallel)
+    schema = _output_schema(req)
+    return OutputConstraint(json_schema=schema) if schema is not None else None
 
 
 def _budget_effort(budget: int | None) -> str | None:
@@ -307,13 +312,15 @@ def to_generation(req: MessagesRequest) -> ChatGeneration:
         top_p=req.top_p,
         top_k=req.top_k,
     )
+    prompt = prompt_request(req)
     return ChatGeneration(
-        prompt=prompt_request(req),
+        prompt=prompt,
         sampling=sampling,
         stops=tuple(s for s in req.stop_sequences or () if s),
         tools_enabled=bool(req.tools) and (choice is None or choice.type != "none"),
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         stream=bool(req.stream),
+        constraint=_constraint(req, prompt.tools),
     )
 
 

@@ -34,6 +34,7 @@ from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.protocol import FunctionSpec
 from mlxserve.api.responses_protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
+from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
 from mlxserve.chat import PromptRequest
 
 logger = logging.getLogger(__name__)
@@ -366,11 +367,6 @@ def _check_tool_choice(choice: str | Mapping[str, Any] | None, names: set[str]) 
             raise _bad(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     if not names:
         raise _bad("tool_choice needs function tools", "tool_choice")
-    _warn_once(
-        "tool_choice",
-        "tool_choice %r is served like 'auto': the model is asked, not forced, to call a tool",
-        choice,
-    )
     return True
 
 
@@ -406,21 +402,36 @@ def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
-def _with_format(messages: list[dict[str, Any]], fmt: dict[str, Any] | None) -> None:
-    """Ask for the format in the leading system message (the encoder renders it there)."""
+def _shown_format(fmt: Mapping[str, Any]) -> Mapping[str, Any]:
+    """What the prompt shows of a response format: the schema itself when there is one."""
+    spec = fmt.get("json_schema")
+    return spec["schema"] if isinstance(spec, Mapping) else fmt
+
+
+def _constraint(
+    req: ResponsesRequest, tools: list[dict[str, Any]] | None, fmt: Mapping[str, Any] | None
+) -> OutputConstraint | None:
+    """Forced tool calls (`tool_choice` required or a function) or a JSON `text.format`."""
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if choice == "required":
+        return forced_calls(tools, None, parallel)
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        return forced_calls(tools, str(choice.get("name")), parallel)
     if fmt is None:
-        return
-    if messages[0]["role"] in ("system", "developer"):
-        messages[0] = {**messages[0], "response_format": fmt}
-    else:
-        messages.insert(0, {"role": "system", "content": "", "response_format": fmt})
+        return None
+    spec = fmt.get("json_schema")
+    schema = spec["schema"] if isinstance(spec, Mapping) else {"type": "object"}
+    return OutputConstraint(json_schema=schema)
 
 
 def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTurn:
     """A Responses request (after the items `previous_response_id` resolved to)."""
     current = input_items(req)
     messages = chat_messages(history, current, req.instructions)
-    _with_format(messages, response_format(req))
+    fmt = response_format(req)
+    if fmt is not None:
+        messages = with_response_format(messages, _shown_format(fmt))
     tools, namespaces = chat_tools(req.tools)
     tools_enabled = _check_tool_choice(
         req.tool_choice, {t["function"]["name"] for t in tools or ()}
@@ -438,6 +449,7 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
         tools_enabled=bool(tools) and tools_enabled,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         stream=bool(req.stream),
+        constraint=_constraint(req, tools, fmt),
     )
     return ResponsesTurn(generation, (*history, *current), namespaces)
 

@@ -68,6 +68,28 @@ class OutputConstraint:
     parallel: bool = True
 
 
+def forced_calls(
+    tools: Sequence[Mapping[str, Any]] | None, name: str | None, parallel: bool
+) -> OutputConstraint:
+    """A constraint to call one of `tools` (OpenAI tool dicts), or only the one named."""
+    functions = [t.get("function", t) for t in tools or ()]
+    if name is not None:
+        functions = [f for f in functions if f.get("name") == name]
+    return OutputConstraint(tools=tuple(functions), parallel=parallel)
+
+
+def with_response_format(
+    messages: list[dict[str, Any]], shown: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """Messages whose leading system turn asks for `shown` (DeepSeek renders it there)."""
+    out = list(messages)
+    if out and out[0].get("role") in ("system", "developer"):
+        out[0] = {**out[0], "response_format": dict(shown)}
+    else:
+        out.insert(0, {"role": "system", "content": "", "response_format": dict(shown)})
+    return out
+
+
 def _lark_string(text: str) -> str:
     """A Lark string literal of `text` (JSON escaping is valid Lark escaping)."""
     return json.dumps(text, ensure_ascii=False)
