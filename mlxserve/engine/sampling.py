@@ -75,7 +75,9 @@ def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.a
     if state.constrained:
         assert state.constraint is not None
         allowed = state.constraint.allowed(row.shape[-1])
-        row = mx.where(allowed[None, :], row, -mx.inf)
+        # NaN logits (a numerically broken step) would sample an arbitrary, disallowed
+        # token; as 0 they leave a uniform choice among the tokens the grammar allows.
+        row = mx.where(allowed[None, :], mx.where(mx.isnan(row), 0.0, row), -mx.inf)
     if params.repetition_penalty != 1.0 and state.seen:
         if state.seen_dirty or state.seen_array is None:
             state.seen_array = mx.array(sorted(state.seen), dtype=mx.int32)
