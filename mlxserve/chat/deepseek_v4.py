@@ -6,7 +6,7 @@ The prompt is a flat string that starts with BOS:
     <｜User｜>user turn<｜Assistant｜><think>reasoning</think>reply[DSML calls]<｜end▁of▁sentence｜>
     <｜User｜>...<｜Assistant｜><think>            (thinking mode; chat mode ends with </think>)
 
-Rules (see /work/shared/goldens/README.md; every one is pinned by a golden):
+Rules (see tests/data/README.md; every one is pinned by a golden):
 
 * A system message is bare text (V4) or `<｜System｜>text` (V4.1). A developer
   message is its own `<｜User｜>` turn. Consecutive user and tool messages are
@@ -144,9 +144,9 @@ def encode_request(request: Mapping[str, Any], variant: Variant = "v4") -> str:
     messages = normalise_messages(
         raw_messages, join=fmt.join, strict_arguments=fmt.strict_arguments
     )
-    _validate(messages)
     schemas = tool_schemas(request.get("tools") or [])
     drop = thinking and _flag(request, "drop_thinking") and not schemas
+    _validate(messages, drop)
     turns = _build_turns(_attach_tools(fmt, messages, schemas), thinking, drop)
     return _render(fmt, turns, thinking, preamble)
 
@@ -187,9 +187,28 @@ def _v41_effort(effort: Any) -> int:
     )
 
 
-def _validate(messages: Sequence[Message]) -> None:
+def _last_user(messages: Sequence[Message]) -> int:
+    """Index of the last user, tool or developer message (-1 if none)."""
+    return max(
+        (
+            i
+            for i, m in enumerate(messages)
+            if isinstance(m, (UserMessage, ToolMessage, DeveloperMessage))
+        ),
+        default=-1,
+    )
+
+
+def _validate(messages: Sequence[Message], drop: bool) -> None:
+    """Reject an empty developer message that would be rendered.
+
+    Like the reference, the check applies to the developer messages that are
+    kept: with drop-thinking those before the last user turn are dropped
+    unseen, so an empty one there is fine.
+    """
+    last_user = _last_user(messages)
     for i, msg in enumerate(messages):
-        if isinstance(msg, DeveloperMessage) and not msg.content:
+        if isinstance(msg, DeveloperMessage) and not msg.content and not (drop and i < last_user):
             raise PromptError(f"messages[{i}]: a developer message must have non-empty content")
 
 
@@ -227,14 +246,7 @@ def _attach_tools(
 
 def _build_turns(messages: Sequence[Message], thinking: bool, drop: bool) -> list[_Turn]:
     """Group messages into turns, applying drop-thinking and tool-result merging."""
-    last_user = max(
-        (
-            i
-            for i, m in enumerate(messages)
-            if isinstance(m, (UserMessage, ToolMessage, DeveloperMessage))
-        ),
-        default=-1,
-    )
+    last_user = _last_user(messages)
     turns: list[_Turn] = []
     pending: list[UserMessage | ToolMessage] = []
     call_ids: list[str | None] = []
