@@ -88,15 +88,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def _models(request: Request) -> dict[str, Any]:
         check_api_key(request, state.config.api_key)
-        card: dict[str, Any] = {
-            "id": state.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "mlxserve",
-        }
-        if state.engine.ready:
-            card["max_model_len"] = state.context_limit(state.engine.model)
-        return {"object": "list", "data": [card]}
+        limit = state.context_limit(state.engine.model) if state.engine.ready else None
+        cards: list[dict[str, Any]] = []
+        for name in state.served_names:
+            card: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "mlxserve",
+            }
+            if limit is not None:
+                card["max_model_len"] = limit
+            cards.append(card)
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def _health() -> JSONResponse:

@@ -36,7 +36,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -78,11 +78,14 @@ def build_app(
     else:
         default_name = str(args.model or "mlxserve")
     engine = AsyncEngine(ecfg, loader)
+    names = tuple(args.served_model_name or (default_name,))
     state = ServerState(
         engine=engine,
         config=scfg,
-        model_name=scfg.served_model_name or default_name,
+        model_name=names[0],
         max_model_len=ecfg.max_model_len,
+        aliases=names,
+        strict_model_name=bool(getattr(args, "strict_model_name", False)),
     )
     return create_app(state), state
 
