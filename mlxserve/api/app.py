@@ -10,10 +10,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
 from mlxserve.api.handlers import ClientGone, chat_completions, completions
+from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mlxserve.api.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -120,6 +121,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return cache
 
     @app.get("/metrics")
-    async def _metrics() -> PlainTextResponse:
+    async def _metrics() -> Response:
         text = state.metrics.render(state.engine.stats(), state.engine.ready)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
