@@ -55,7 +55,16 @@ async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
         await asyncio.sleep(0.1)
         elapsed = time.monotonic() - start
         if elapsed >= next_report:
-            logger.info("still loading the model (%.0f s)", elapsed)
+            progress = state.load_progress
+            if progress is None:
+                logger.info("still loading the model (%.0f s)", elapsed)
+            else:
+                logger.info(
+                    "still loading the model: %.0f%% (%s, %.0f s)",
+                    progress.fraction * 100,
+                    progress.stage,
+                    elapsed,
+                )
             next_report += every_s
     if state.engine.load_error is not None:
         logger.error("the model failed to load: %s", state.engine.load_error)
@@ -109,7 +118,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if error is not None:
             return JSONResponse({"status": "error", "error": error}, status_code=503)
         if not state.engine.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            body: dict[str, Any] = {"status": "loading"}
+            if state.load_progress is not None:
+                body["progress"] = round(state.load_progress.fraction, 3)
+                body["stage"] = state.load_progress.stage
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/cache/stats")

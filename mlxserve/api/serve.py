@@ -14,6 +14,7 @@ from mlxserve.api.app import create_app
 from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.progress import LoadProgress
 
 logger = logging.getLogger("mlxserve.serve")
 
@@ -65,6 +66,7 @@ def build_app(
 
     ecfg = engine_config(args)
     scfg = server_config(args)
+    progress = LoadProgress(bar=None if loader is None else False)
     if loader is None:
         from mlxserve.models import load
 
@@ -72,7 +74,7 @@ def build_app(
         encoder = scfg.chat_encoder
 
         def loader() -> LoadedModel:
-            return load(path, chat_encoder=encoder)
+            return load(path, chat_encoder=encoder, progress=progress)
 
         default_name = "mlxserve-demo" if args.demo else str(args.model)
     else:
@@ -86,6 +88,7 @@ def build_app(
         max_model_len=ecfg.max_model_len,
         aliases=names,
         strict_model_name=bool(getattr(args, "strict_model_name", False)),
+        load_progress=progress,
     )
     return create_app(state), state
 

@@ -13,6 +13,7 @@ from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.progress import LoadProgress
 from mlxserve.parsers import ParserSpec, resolve_parsers
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class ServerState:
     aliases: tuple[str, ...] = ()
     # --strict-model-name: a request naming another model is a 404.
     strict_model_name: bool = False
+    # How far the model load has got (/health reports it while loading).
+    load_progress: LoadProgress | None = None
     _parsers: ParserSpec | None = None
     _context_limit: int | None = None
     _names_seen: set[str] = field(default_factory=set)
