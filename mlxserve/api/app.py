@@ -119,7 +119,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "error", "error": error}, status_code=503)
         if not state.engine.ready:
             body: dict[str, Any] = {"status": "loading"}
-            if state.load_progress is not None:
+            if state.load_progress is not None and state.load_progress.stage != "starting":
                 body["progress"] = round(state.load_progress.fraction, 3)
                 body["stage"] = state.load_progress.stage
             return JSONResponse(body, status_code=503)
