@@ -201,3 +201,14 @@ def test_strict_model_name_restores_the_404(loaded_factory: Callable[[str], Load
             http.post("/v1/chat/completions", json={**body, "model": "c"}, timeout=60), 404
         )
         assert err["code"] == "model_not_found"
+
+
+def test_model_dir_after_the_names_is_pointed_out(tmp_path: Path) -> None:
+    from mlxserve.api.serve import model_path
+    from mlxserve.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--served-model-name", "a", str(tmp_path)])
+    with pytest.raises(ValueError, match="give MODEL_DIR before --served-model-name"):
+        model_path(args)
+    args = build_parser().parse_args(["serve", str(tmp_path), "--served-model-name", "a", "b"])
+    assert model_path(args) == tmp_path and args.served_model_name == ["a", "b"]

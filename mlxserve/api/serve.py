@@ -54,6 +54,12 @@ def model_path(args: argparse.Namespace) -> Path:
         logger.warning(RANDOM_WEIGHTS_NOTICE)
         return demo_model_path()
     if not args.model:
+        names = args.served_model_name or []
+        if len(names) > 1 and Path(names[-1]).is_dir():
+            raise ValueError(
+                "give MODEL_DIR before --served-model-name (which takes several names): "
+                f"mlxserve serve {names[-1]} --served-model-name {' '.join(names[:-1])}"
+            )
         raise ValueError("give a MODEL_DIR or --demo")
     return Path(args.model)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
@@ -92,7 +93,7 @@ def _nbytes(value: Any, seen: set[int], depth: int = 0) -> int:
             return 0
         seen.add(id(value))
         return int(value.nbytes)
-    if depth > 4:
+    if depth > 4 or isinstance(value, nn.Module):  # a module's weights are no KV
         return 0
     if isinstance(value, list | tuple):
         return sum(_nbytes(v, seen, depth + 1) for v in value)
