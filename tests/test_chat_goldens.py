@@ -73,10 +73,10 @@ def test_prompt_errors_are_value_errors_with_a_reason() -> None:
         encode_request(empty_dev["request"], empty_dev["variant"])
 
 
-def test_extra_cases_cover_both_families() -> None:
-    """Each derived case names the public case it comes from; both families, both variants."""
+def test_extra_cases_cover_the_families() -> None:
+    """Each derived case names the public case it comes from; every family, both variants."""
     ids = {c["id"] for c in CASES}
-    assert len({c["id"] for c in EXTRA_CASES}) == len(EXTRA_CASES) == 19
+    assert len({c["id"] for c in EXTRA_CASES}) == len(EXTRA_CASES) == 24
     assert all(c["derived_from"] in ids and c["id"] not in ids for c in EXTRA_CASES)
     args = [
         c
@@ -84,9 +84,11 @@ def test_extra_cases_cover_both_families() -> None:
         if "args_not_object" in c["tags"] or "args_double_encoded" in c["tags"]
     ]
     dev = [c for c in EXTRA_CASES if "empty_developer" in c["tags"]]
-    assert len(args) + len(dev) == len(EXTRA_CASES)
-    for family in (args, dev):
+    mid = [c for c in EXTRA_CASES if "mid_system" in c["tags"]]
+    assert len(args) + len(dev) + len(mid) == len(EXTRA_CASES)
+    for family in (args, dev, mid):
         assert {c["variant"] for c in family} == {"v4", "v41"}
+    for family in (args, dev):
         assert any(c.get("error") for c in family) and any("prompt" in c for c in family)
 
 

@@ -159,6 +159,87 @@ case(
     how="tools switch drop_thinking off, so nothing is dropped: an error",
 )
 n += 1
+
+# Family C (V4.1): a system message after the first counts as a user turn: it
+# ends the history drop-thinking hides and opens the reply that follows it.
+# V4 treats it as bare text.
+SYSTEM = {"role": "system", "content": "Be brief."}
+
+
+def replaced(base_id: str, old: str, new: str) -> str:
+    prompt = src[base_id]["prompt"]
+    assert prompt.count(old) == 1, (base_id, old)
+    return prompt.replace(old, new)
+
+
+def appended(base_id: str, at: int | None = None, drop_last: bool = False) -> dict:
+    r = copy.deepcopy(src[base_id]["request"])
+    if drop_last:
+        r["messages"].pop()
+    r["messages"].insert(len(r["messages"]) if at is None else at, dict(SYSTEM))
+    return r
+
+
+for base_id, header in [("enc-pub-0032", "</think>"), ("enc-pub-0025", "<think>")]:
+    case(
+        f"enc-ext-{n:04d}",
+        "v41",
+        appended(base_id),
+        base_id,
+        ["mid_system", "ends_with_system"] + (["thinking"] if header == "<think>" else []),
+        replaced(
+            base_id,
+            f"<｜Assistant｜>{header}",
+            f"<｜System｜>Be brief.<｜Assistant｜>{header}",
+        ),
+        how="a final system message after the first opens the reply; the user turn before it "
+        "is not followed by an assistant, so it gets no header",
+    )
+    n += 1
+case(
+    f"enc-ext-{n:04d}",
+    "v41",
+    appended("enc-pub-0044", at=2),
+    "enc-pub-0044",
+    ["mid_system", "thinking", "reasoning_history"],
+    replaced(
+        "enc-pub-0044",
+        "<｜end▁of▁sentence｜><｜User｜>2+2?",
+        "<｜end▁of▁sentence｜><｜System｜>Be brief.<｜User｜>2+2?",
+    ),
+    how="a mid-conversation system message followed by a user turn: its text, no header",
+)
+n += 1
+case(
+    f"enc-ext-{n:04d}",
+    "v41",
+    appended("enc-pub-0044", drop_last=True),
+    "enc-pub-0044",
+    ["mid_system", "ends_with_system", "thinking", "reasoning_history"],
+    replaced(
+        "enc-pub-0044",
+        "<｜User｜>2+2?<｜Assistant｜><think>",
+        "<｜System｜>Be brief.<｜Assistant｜><think>",
+    ),
+    how="the system message replaces the last user turn: the reply before it keeps its "
+    "reasoning hidden (drop-thinking) and the system message opens the next reply",
+)
+n += 1
+prompt = replaced("enc-pub-0017", "<｜User｜>2+2?<｜Assistant｜><think>", "Be brief.")
+assert prompt.count("<｜Assistant｜></think>Hello!") == 1
+case(
+    f"enc-ext-{n:04d}",
+    "v4",
+    appended("enc-pub-0017", drop_last=True),
+    "enc-pub-0017",
+    ["mid_system", "ends_with_system", "thinking", "reasoning_history"],
+    prompt.replace(
+        "<｜Assistant｜></think>Hello!", "<｜Assistant｜><think>Greet back.</think>Hello!"
+    ),
+    how="V4: a system message is bare text and no user turn, so the reply before it is after "
+    "the last user turn and shows its reasoning",
+)
+n += 1
 with open(sys.argv[2], "w", encoding="utf-8") as f:
     for c in out:
         f.write(json.dumps(c, ensure_ascii=False) + "\n")
