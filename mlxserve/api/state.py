@@ -104,8 +104,8 @@ class ServerState:
     def check_model_name(self, name: str | None) -> None:
         """Accept any name (one model is served), or 404 an unknown one when strict.
 
-        Agent clients send their own model ids; the first unexpected name is
-        logged once. Responses always carry `model_name`.
+        Agent clients send their own model ids; each unexpected name is logged
+        once. Responses always carry `model_name`.
         """
         if name is None or name == "" or name in self.served_names:
             return
@@ -117,14 +117,14 @@ class ServerState:
                 code="model_not_found",
             )
         if name not in self._names_seen and len(self._names_seen) < 64:
-            if not self._names_seen:
-                logger.info(
-                    "requests name the model %r; serving %r (--strict-model-name refuses "
-                    "other names)",
-                    name,
-                    self.model_name,
-                )
+            # Each new name once (a bounded set: clients could send endless names).
             self._names_seen.add(name)
+            logger.info(
+                "a request names the model %r; serving %r (--strict-model-name refuses "
+                "other names)",
+                name,
+                self.model_name,
+            )
 
     def parsers(self, model: LoadedModel) -> ParserSpec:
         if self._parsers is None:
