@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install install-dev lint clean
+.PHONY: serve test install install-dev lint clean e2e-clients
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ lint: $(VENV)/.installed-dev
 
 test: lint
 	$(BIN)/pytest
+
+# The real agent clients (installed from npm) against a scripted checkpoint; not part of CI.
+e2e-clients: $(VENV)/.installed-dev
+	bash e2e/claude_code.sh
+	bash e2e/codex.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41")
+FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41", "scripted")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -65,6 +65,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
     )
+    p.add_argument(
+        "--keepalive-interval",
+        type=float,
+        default=10.0,
+        help="seconds of silence (a long prefill) before a stream sends a keep-alive",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler="mlxserve.api.serve:run")
 
@@ -85,6 +91,19 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
+    p.add_argument(
+        "--script",
+        action="append",
+        default=None,
+        help="scripted family: the text the model emits after each assistant turn start; "
+        "repeat for later turns (the last one repeats)",
+    )
+    p.add_argument(
+        "--model-type",
+        default="deepseek_v4",
+        choices=["deepseek_v4", "deepseek_v41"],
+        help="scripted family: which DeepSeek encoder and parsers the checkpoint selects",
+    )
     p.set_defaults(handler="mlxserve.models.synthetic:run")
 
 

@@ -57,9 +57,13 @@ class ServerConfig:
     chat_encoder: str = "auto"
     log_level: str = "info"
     max_body_bytes: int = 16 * 1024 * 1024
+    # Seconds of silence (a long prefill) after which a stream sends a keep-alive.
+    keepalive_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
+        if not self.keepalive_interval_s > 0:
+            raise ValueError("keepalive_interval_s must be positive")
         if self.max_body_bytes < 1024:
             raise ValueError("max_body_bytes must be at least 1024")

@@ -105,3 +105,51 @@ def chat_body(content: str = "Hello", **kw: Any) -> dict[str, Any]:
     }
     body.update(kw)
     return body
+
+
+class ServeProcess:
+    """`mlxserve serve ...` as its own process on 127.0.0.1 (what a user runs)."""
+
+    def __init__(self, *args: str) -> None:
+        import sys
+
+        self.port = free_port()
+        self.argv = [sys.executable, "-m", "mlxserve.cli", "serve", *args, "--port", str(self.port)]
+        self.proc: Any = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServeProcess:
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlxserve serve exited: {self.proc.stderr.read()}")
+            if self._healthy():
+                return self
+            time.sleep(0.2)
+        self.__exit__()
+        raise TimeoutError("mlxserve serve did not become ready")
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __exit__(self, *exc: object) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=20)

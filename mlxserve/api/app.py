@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlxserve.api.anthropic_routes import count_tokens, messages
 from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
 from mlxserve.api.handlers import ClientGone, chat_completions, completions
 from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -94,6 +95,20 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def _completions(request: Request) -> Response:
         return await _generate(state, request, "text", completions)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def _root() -> dict[str, str]:
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+        return {"name": "mlxserve", "model": state.model_name}
+
+    @app.post("/v1/messages")
+    async def _messages(request: Request) -> Response:
+        return await _generate(state, request, "messages", messages)
+
+    @app.post("/v1/messages/count_tokens")
+    async def _count_tokens(request: Request) -> Response:
+        check_api_key(request, state.config.api_key)
+        return await count_tokens(state, request)
 
     @app.get("/v1/models")
     async def _models(request: Request) -> dict[str, Any]:

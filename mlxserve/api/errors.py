@@ -1,8 +1,11 @@
-"""OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
+"""Errors in the shape of the route's API.
 
-Every client mistake becomes an `APIError` (4xx) and is answered in that
-shape; the handlers here also turn FastAPI/Starlette's own errors (404,
-405, validation) into it, so no client ever sees a bare 422 or 500 page.
+OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; the
+Anthropic routes (`/v1/messages...`) answer `{"type": "error", "error":
+{"type", "message"}}`. Every client mistake becomes an `APIError` (4xx) and
+is answered in its route's shape; the handlers here also turn
+FastAPI/Starlette's own errors (404, 405, validation) into it, so no client
+ever sees a bare 422 or 500 page.
 """
 
 from __future__ import annotations
@@ -32,6 +35,29 @@ _TYPES = {
 }
 
 
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def anthropic_error_type(status: int) -> str:
+    if status in _ANTHROPIC_TYPES:
+        return _ANTHROPIC_TYPES[status]
+    return "invalid_request_error" if status < 500 else "api_error"
+
+
 class APIError(Exception):
     """An error answered to the client with `status` and the OpenAI error body."""
 
@@ -53,11 +79,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self) -> dict[str, Any]:
+    def body(self, anthropic: bool = False) -> dict[str, Any]:
+        if anthropic:
+            return anthropic_error_body(self.message, anthropic_error_type(self.status))
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        body = self.body(anthropic=is_anthropic_path(path))
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
 def error_body(
@@ -66,26 +95,32 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+def anthropic_error_body(message: str, type: str) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": type, "message": message}}
+
+
+async def _api_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, APIError)
-    return exc.response()
+    return exc.response(request.url.path)
 
 
-async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    return APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+    error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    return error.response(request.url.path)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     msg = str(errors[0].get("msg", "invalid request")) if errors else "invalid request"
-    return APIError(400, msg).response()
+    return APIError(400, msg).response(request.url.path)
 
 
-async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error in request", exc_info=exc)
-    return APIError(500, "internal server error", code="internal_error").response()
+    error = APIError(500, "internal server error", code="internal_error")
+    return error.response(request.url.path)
 
 
 def install_handlers(app: FastAPI) -> None:
@@ -96,16 +131,23 @@ def install_handlers(app: FastAPI) -> None:
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
-    """401 unless the request carries `Authorization: Bearer <api_key>` (constant-time)."""
+    """401 unless the request carries the key (constant-time).
+
+    OpenAI clients send `Authorization: Bearer <key>`, Anthropic clients
+    `x-api-key: <key>`; either is accepted on every route.
+    """
     if api_key is None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
     given = token.strip() if scheme.lower() == "bearer" else ""
+    given = given or request.headers.get("x-api-key", "").strip()
     if not hmac.compare_digest(given.encode("utf-8"), api_key.encode("utf-8")):
         raise APIError(
             401,
-            "invalid or missing API key" if given else "missing API key (Authorization: Bearer)",
+            "invalid or missing API key"
+            if given
+            else "missing API key (Authorization: Bearer, or x-api-key)",
             code="invalid_api_key",
         )
 
@@ -148,10 +190,10 @@ class BodyLimitMiddleware:
         except APIError as e:
             if e.status != 413 or response_started:
                 raise
-            await e.response()(scope, receive, send)
+            await e.response(scope.get("path", ""))(scope, receive, send)
 
     def _error(self) -> APIError:
         return APIError(413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large")
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._error().response()(scope, receive, send)
+        await self._error().response(scope.get("path", ""))(scope, receive, send)

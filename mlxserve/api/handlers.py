@@ -14,16 +14,18 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from mlxserve.api.detok import CONTEXT_TOKENS
 from mlxserve.api.errors import APIError, error_body
+from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
 from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from mlxserve.api.state import ServerState
@@ -73,8 +75,8 @@ class _GuardedStream(StreamingResponse):
     the response starts; the guard still frees the engine slot then.
     """
 
-    def __init__(self, run: GenerationRun) -> None:
-        super().__init__(run.sse(), media_type="text/event-stream", headers=SSE_HEADERS)
+    def __init__(self, run: GenerationRun, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
         self._run = run
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -173,21 +175,34 @@ class GenerationRun:
             yield sse(usage_chunk(meta, self.pipeline.usage))
         yield DONE
 
-    async def collect(self) -> dict[str, Any]:
+    async def accumulate(self) -> Accumulator:
+        """The whole output folded into one message; APIError 500 if the engine failed it."""
         acc = Accumulator()
         try:
             async for delta in self.deltas():
                 acc.add(delta)
         except EngineRequestFailed as e:
             raise APIError(500, str(e), type="server_error", code="generation_failed") from e
+        return acc
+
+    async def collect(self) -> dict[str, Any]:
+        acc = await self.accumulate()
         build = chat_response if self.meta.kind == "chat" else text_response
         return build(self.meta, acc, self.pipeline.usage)
 
     async def respond(self, request: Request, stream: bool) -> Response:
+        """The OpenAI answer: SSE chunks or one JSON body."""
         if stream:
-            return _GuardedStream(self)
-        body = await _until_disconnect(request, self.collect())
-        return JSONResponse(body)
+            return self.stream_response(self.sse())
+        return await self.json_response(request, self.collect())
+
+    def stream_response(self, body: AsyncIterator[bytes]) -> Response:
+        """Stream `body` (built from this run); the engine request ends with it."""
+        return _GuardedStream(self, body)
+
+    async def json_response(self, request: Request, work: Awaitable[dict[str, Any]]) -> Response:
+        """Await `work` (built from this run), aborting it if the client disconnects."""
+        return JSONResponse(await _until_disconnect(request, work))
 
 
 async def _until_disconnect(request: Request, work: Any) -> dict[str, Any]:
@@ -213,15 +228,10 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _render(model: LoadedModel, req: ChatCompletionRequest) -> PromptIds:
-    prompt_request = PromptRequest(
-        messages=req.messages,
-        tools=req.tool_dicts(),
-        reasoning_effort=req.reasoning_effort,
-        chat_template_kwargs=req.chat_template_kwargs or {},
-    )
+async def render_chat(model: LoadedModel, prompt: PromptRequest) -> PromptIds:
+    """The prompt's text and token ids (in a worker thread); 400 for a bad conversation."""
     try:
-        return await asyncio.to_thread(render_prompt, model, prompt_request)
+        return await asyncio.to_thread(render_prompt, model, prompt)
     except (PromptError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from e
 
@@ -238,64 +248,78 @@ def _meta(
     )
 
 
-async def _generate(
+def start_run(
     state: ServerState,
-    request: Request,
-    req: ChatCompletionRequest | CompletionRequest,
     model: LoadedModel,
     ids: list[int],
+    sampling: Sampling,
     meta: ResponseMeta,
     arrival: float,
+    stops: Sequence[str] = (),
     **pipeline_options: Any,
-) -> Response:
-    """Submit the prompt and answer with the pipeline's output, streamed or whole."""
-    params = state.sampling_params(model, req, len(ids))
+) -> GenerationRun:
+    """Submit the prompt; the run yields the pipeline's output."""
+    params = state.sampling_params(model, sampling, len(ids))
     pipeline = OutputPipeline(
         model.tokenizer,
         model.eos_token_ids,
         len(ids),
-        stops=req.stop_strings(),
+        stops=stops,
         logprobs=params.logprobs,
         prompt_tail=ids[-CONTEXT_TOKENS:],
         **pipeline_options,
     )
     events = state.submit(ids, params, meta.id)
-    run = GenerationRun(state, meta, pipeline, events, arrival)
-    return await run.respond(request, bool(req.stream))
+    return GenerationRun(state, meta, pipeline, events, arrival)
 
 
-RequestT = TypeVar("RequestT", ChatCompletionRequest, CompletionRequest)
+async def start_chat(
+    state: ServerState,
+    model: LoadedModel,
+    gen: ChatGeneration,
+    meta: ResponseMeta,
+    arrival: float,
+) -> tuple[PromptIds, GenerationRun]:
+    """Render a chat request and submit it, with the model's reasoning and tool parsers."""
+    prompt = await render_chat(model, gen.prompt)
+    parser = state.parsers(model).create(
+        thinking=thinking_mode(prompt.text, model), tools_given=gen.tools_enabled
+    )
+    run = start_run(
+        state,
+        model,
+        prompt.token_ids,
+        gen.sampling,
+        meta,
+        arrival,
+        stops=gen.stops,
+        parser=parser,
+        parallel_tool_calls=gen.parallel_tool_calls,
+    )
+    return prompt, run
 
 
-async def _accept(
-    state: ServerState, request: Request, schema: type[RequestT]
+RequestT = TypeVar("RequestT", bound=BaseModel)
+
+
+async def accept(
+    state: ServerState, request: Request, schema: type[RequestT], model_name: str | None
 ) -> tuple[RequestT, LoadedModel]:
     """The validated body and the model to serve it (4xx/503 otherwise)."""
     req = parse_body(schema, await request.body())
-    req.check_supported()
-    state.check_model_name(req.model)
+    check = getattr(req, "check_supported", None)
+    if check is not None:
+        check()
+    state.check_model_name(getattr(req, "model", model_name))
     return req, state.require_model()
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await _accept(state, request, ChatCompletionRequest)
-    prompt = await _render(model, req)
-    parser = state.parsers(model).create(
-        thinking=thinking_mode(prompt.text, model), tools_given=req.tools_enabled
-    )
+    req, model = await accept(state, request, ChatCompletionRequest, None)
     meta = _meta(state, "chatcmpl", "chat", req)
-    return await _generate(
-        state,
-        request,
-        req,
-        model,
-        prompt.token_ids,
-        meta,
-        arrival,
-        parser=parser,
-        parallel_tool_calls=req.parallel_tool_calls is not False,
-    )
+    _, run = await start_chat(state, model, req.to_generation(), meta, arrival)
+    return await run.respond(request, bool(req.stream))
 
 
 def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
@@ -314,7 +338,10 @@ def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
 
 async def completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await _accept(state, request, CompletionRequest)
+    req, model = await accept(state, request, CompletionRequest, None)
     ids = await asyncio.to_thread(_completion_ids, model, req)
     meta = _meta(state, "cmpl", "text", req)
-    return await _generate(state, request, req, model, ids, meta, arrival, parser=None)
+    run = start_run(
+        state, model, ids, req.to_sampling(), meta, arrival, stops=req.stop_strings(), parser=None
+    )
+    return await run.respond(request, bool(req.stream))

@@ -115,6 +115,11 @@ class OutputPipeline:
     def stopped_by_string(self) -> bool:
         return self._stops.matched is not None
 
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the output, if one did."""
+        return self._stops.matched
+
     def step(self, event: TokenEvent) -> OutputDelta:
         """Process one engine event. Raises EngineRequestFailed for error/abort."""
         if self.done:

@@ -10,11 +10,14 @@ meaning of the answer and are not implemented are refused with a clear 400.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.chat import PromptRequest
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
@@ -107,6 +110,20 @@ class _SamplingFields(_Strict):
         items = [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in items if s]
 
+    def sampling(self, max_tokens: int | None) -> Sampling:
+        return Sampling(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=self.logit_bias,
+        )
+
     def check_supported(self) -> None:
         if self.n not in (None, 1):
             raise APIError(400, "n > 1 is not supported", param="n")
@@ -172,6 +189,28 @@ class ChatCompletionRequest(_SamplingFields):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def to_generation(self) -> ChatGeneration:
+        """This request in the server's internal terms."""
+        prompt = PromptRequest(
+            messages=self.messages,
+            tools=self.tool_dicts(),
+            reasoning_effort=self.reasoning_effort,
+            chat_template_kwargs=self.chat_template_kwargs or {},
+        )
+        sampling = replace(
+            self.sampling(self.effective_max_tokens),
+            logprobs=bool(self.logprobs),
+            top_logprobs=self.top_logprobs or 0,
+        )
+        return ChatGeneration(
+            prompt=prompt,
+            sampling=sampling,
+            stops=tuple(self.stop_strings()),
+            tools_enabled=self.tools_enabled,
+            parallel_tool_calls=self.parallel_tool_calls is not False,
+            stream=bool(self.stream),
+        )
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -190,6 +229,13 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "best_of > 1 is not supported", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
+
+    def to_sampling(self) -> Sampling:
+        return replace(
+            self.sampling(self.max_tokens),
+            logprobs=self.logprobs is not None,
+            top_logprobs=self.logprobs or 0,
+        )
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request (a batch of prompts is refused)."""

@@ -44,6 +44,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         chat_encoder=args.chat_encoder,
         log_level=args.log_level,
         max_body_bytes=args.max_body_bytes,
+        keepalive_interval_s=args.keepalive_interval,
     )
 
 

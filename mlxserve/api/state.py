@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.generation import Sampling
 from mlxserve.api.metrics import Metrics
-from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest
 from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
@@ -211,34 +211,26 @@ class ServerState:
         return requested
 
     def sampling_params(
-        self,
-        model: LoadedModel,
-        req: ChatCompletionRequest | CompletionRequest,
-        prompt_len: int,
+        self, model: LoadedModel, sampling: Sampling, prompt_len: int
     ) -> SamplingParams:
-        requested = (
-            req.effective_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        """Engine sampling settings for a request; 400 for values the model cannot take."""
+        max_tokens = self.max_tokens(
+            model, sampling.max_tokens, prompt_len, clamp=sampling.clamp_max_tokens
         )
-        if isinstance(req, ChatCompletionRequest):
-            logprobs = bool(req.logprobs)
-            top = req.top_logprobs or 0
-        else:
-            logprobs = req.logprobs is not None
-            top = req.logprobs or 0
         try:
             return SamplingParams(
-                max_tokens=self.max_tokens(model, requested, prompt_len),
-                temperature=_or(req.temperature, 1.0),
-                top_p=_or(req.top_p, 1.0),
-                top_k=_or(req.top_k, 0),
-                min_p=_or(req.min_p, 0.0),
-                seed=req.seed,
-                repetition_penalty=_or(req.repetition_penalty, 1.0),
-                presence_penalty=_or(req.presence_penalty, 0.0),
-                frequency_penalty=_or(req.frequency_penalty, 0.0),
-                logit_bias=_logit_bias(req.logit_bias, model.vocab_size),
-                logprobs=logprobs,
-                top_logprobs=top,
+                max_tokens=max_tokens,
+                temperature=_or(sampling.temperature, 1.0),
+                top_p=_or(sampling.top_p, 1.0),
+                top_k=_or(sampling.top_k, 0),
+                min_p=_or(sampling.min_p, 0.0),
+                seed=sampling.seed,
+                repetition_penalty=_or(sampling.repetition_penalty, 1.0),
+                presence_penalty=_or(sampling.presence_penalty, 0.0),
+                frequency_penalty=_or(sampling.frequency_penalty, 0.0),
+                logit_bias=_logit_bias(sampling.logit_bias, model.vocab_size),
+                logprobs=sampling.logprobs,
+                top_logprobs=sampling.top_logprobs,
             )
         except ValueError as e:
             raise APIError(400, str(e)) from e

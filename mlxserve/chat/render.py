@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxserve.chat.deepseek_v4 import Variant, encode_request
@@ -13,6 +13,9 @@ from mlxserve.models.loaded import LoadedModel
 
 ENCODERS = ("deepseek_v4", "deepseek_v41", "template")
 _VARIANTS: dict[str, Variant] = {"deepseek_v4": "v4", "deepseek_v41": "v41"}
+# Effort names clients send (OpenAI, Anthropic) that V4.1's encoder has no level for:
+# they select its low level, as V4's encoder treats them like "low".
+_V41_EFFORT_ALIASES = {"minimal": "low", "medium": "low"}
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,11 @@ def deepseek_request(request: PromptRequest) -> dict[str, Any]:
 def render_text(model: LoadedModel, request: PromptRequest) -> str:
     """The prompt text for a request, by the model's chat encoder."""
     if model.chat_encoder in PROGRAMMATIC_ENCODERS:
-        return encode_request(deepseek_request(request), _VARIANTS[model.chat_encoder])
+        variant = _VARIANTS[model.chat_encoder]
+        effort = request.reasoning_effort
+        if variant == "v41" and isinstance(effort, str) and effort in _V41_EFFORT_ALIASES:
+            request = replace(request, reasoning_effort=_V41_EFFORT_ALIASES[effort])
+        return encode_request(deepseek_request(request), variant)
     if model.chat_encoder != "template":
         raise ValueError(f"unknown chat encoder {model.chat_encoder!r}")
     return render_template(

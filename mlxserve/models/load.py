@@ -10,6 +10,7 @@ from typing import Any
 from mlxserve.models.adapter import ModelAdapter
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
 from mlxserve.models.progress import LoadProgress
+from mlxserve.models.scripted import is_scripted, load_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ def load(
         encoder = choose_encoder(config["model_type"], chat_encoder)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
-    _check_files(path)
     model_type = config["model_type"]
+    if is_scripted(config):
+        return _load_scripted(path, config, encoder)
+    _check_files(path)
     logger.info("loading %s model from %s", model_type, path)
     try:
         module = _load_module(path, config, progress)
@@ -146,6 +149,16 @@ def load(
     _check_renderable(loaded)
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
+    return loaded
+
+
+def _load_scripted(path: Path, config: dict[str, Any], encoder: str) -> LoadedModel:
+    logger.info("loading a scripted test checkpoint from %s", path)
+    try:
+        loaded = load_checkpoint(path, config, encoder)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelLoadError(f"cannot load {path}: {e}") from e
+    _check_renderable(loaded)
     return loaded
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +250,20 @@ def make_model(
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.family == "scripted":
+        from mlxserve.models.scripted import write_checkpoint
+
+        if not args.script:
+            print("mlxserve make-model: --family scripted needs --script TEXT", file=sys.stderr)
+            return 2
+        path = write_checkpoint(args.out, args.script, model_type=args.model_type)
+        print(
+            f"wrote a scripted {args.model_type} checkpoint ({len(args.script)} scripts) to {path}"
+        )
+        return 0
+    if args.script:
+        print("mlxserve make-model: --script is only for --family scripted", file=sys.stderr)
+        return 2
     path = make_model(args.out, args.family, seed=args.seed, layers=args.layers, hidden=args.hidden)
     print(f"wrote a random-weight {args.family} checkpoint to {path}")
     return 0

@@ -1,0 +1,342 @@
+"""Anthropic Messages request -> the internal chat request (pure functions).
+
+Anthropic content blocks become the OpenAI-shaped messages the chat stage
+renders, so both routes share one encoder and build the same prompt for the
+same conversation: `tool_use` blocks are assistant tool calls, `tool_result`
+blocks are tool messages (in place, so DeepSeek folds them into the user
+turn), `thinking` blocks are the reply's reasoning. A `system` message inside
+`messages` is rendered where it stands: as a system turn before the first
+conversation turn, as a developer turn after it.
+
+Thinking blocks carry a `signature` that holds their text (compressed), so a
+client that was sent no thinking text (`display: "omitted"`) still re-sends
+the exact reasoning and the next turn's prompt extends this one's.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
+from mlxserve.api.errors import APIError
+from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.chat import PromptRequest
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE_PREFIX = "mlxserve-v1."
+# Claude Code's first system block: billing metadata for Anthropic's servers, not an
+# instruction, and it differs between sessions; left in, it would end every
+# cross-session prefix-cache hit at the prompt's first tokens.
+BILLING_HEADER = "x-anthropic-billing-header:"
+MAX_SIGNATURE_TEXT = 16 * 1024 * 1024
+_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
+
+
+def sign_thinking(text: str) -> str:
+    """The `signature` of a thinking block: its text, compressed (opaque to clients)."""
+    packed = base64.urlsafe_b64encode(zlib.compress(text.encode("utf-8"), 6)).decode("ascii")
+    return SIGNATURE_PREFIX + packed
+
+
+def thinking_from_signature(signature: str) -> str | None:
+    """The text a signature of ours holds; None for anyone else's signature."""
+    if not signature.startswith(SIGNATURE_PREFIX):
+        return None
+    try:
+        packed = base64.b64decode(signature[len(SIGNATURE_PREFIX) :], altchars=b"-_", validate=True)
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(packed, MAX_SIGNATURE_TEXT)
+        if inflater.unconsumed_tail or not inflater.eof:
+            return None
+        return raw.decode("utf-8")
+    except (binascii.Error, zlib.error, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def _text_block(block: Mapping[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise _bad(f"{where}.text must be a string", where)
+    return text
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, Mapping):
+        raise _bad(f"{where} must be a content block object", where)
+    kind = block.get("type")
+    if not isinstance(kind, str):
+        raise _bad(f"{where}.type must be a string", where)
+    if kind in _MEDIA_BLOCKS:
+        raise _bad(f"{where}: '{kind}' blocks are not supported: this model takes text only", where)
+    return kind
+
+
+def _text_parts(content: str | Sequence[Any], where: str) -> list[dict[str, str]]:
+    """A content that may hold only text: as OpenAI text parts."""
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    parts = []
+    for j, block in enumerate(content):
+        here = f"{where}[{j}]"
+        kind = _block_type(block, here)
+        if kind != "text":
+            raise _bad(f"{here}: expected a 'text' block, got '{kind}'", here)
+        parts.append({"type": "text", "text": _text_block(block, here)})
+    return parts
+
+
+def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
+    content = block.get("content", "")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(f"{where}.content must be a string or a list of text blocks", where)
+    return "\n".join(p["text"] for p in _text_parts(content, f"{where}.content"))
+
+
+def _user_messages(
+    content: str | list[dict[str, Any]], where: str, open_calls: set[str]
+) -> list[dict[str, Any]]:
+    """One Anthropic user message as OpenAI user and tool messages, in block order."""
+    if isinstance(content, str):
+        return [{"role": "user", "content": content}]
+    if not content:
+        raise _bad(f"{where}: a user message needs at least one content block", where)
+    out: list[dict[str, Any]] = []
+    text: list[dict[str, str]] = []
+    for j, block in enumerate(content):
+        here = f"{where}[{j}]"
+        kind = _block_type(block, here)
+        if kind == "text":
+            text.append({"type": "text", "text": _text_block(block, here)})
+            continue
+        if kind != "tool_result":
+            raise _bad(f"{here}: a user message cannot hold a '{kind}' block", here)
+        call_id = block.get("tool_use_id")
+        if not isinstance(call_id, str) or call_id not in open_calls:
+            raise _bad(
+                f"{here}: tool_result for {call_id!r} has no tool_use block with that id "
+                "in the previous assistant message",
+                here,
+            )
+        if text:
+            out.append({"role": "user", "content": text})
+            text = []
+        out.append(
+            {"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, here)}
+        )
+    if text:
+        out.append({"role": "user", "content": text})
+    return out
+
+
+def _thinking_text(block: Mapping[str, Any], where: str) -> str:
+    text = block.get("thinking", "")
+    signature = block.get("signature", "")
+    if not isinstance(text, str) or not isinstance(signature, str):
+        raise _bad(f"{where}: thinking and signature must be strings", where)
+    if not text and signature:
+        return thinking_from_signature(signature) or ""
+    return text
+
+
+def _assistant_message(content: str | list[dict[str, Any]], where: str) -> dict[str, Any]:
+    if isinstance(content, str):
+        return {"role": "assistant", "content": content}
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        here = f"{where}[{j}]"
+        kind = _block_type(block, here)
+        if kind == "text":
+            text.append(_text_block(block, here))
+        elif kind == "thinking":
+            reasoning.append(_thinking_text(block, here))
+        elif kind == "redacted_thinking":
+            continue  # opaque data from another server: nothing of it can be rendered
+        elif kind == "tool_use":
+            calls.append(_tool_call(block, here))
+        else:
+            raise _bad(f"{here}: an assistant message cannot hold a '{kind}' block", here)
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+    if not isinstance(call_id, str) or not call_id:
+        raise _bad(f"{where}.id must be a non-empty string", where)
+    if not isinstance(name, str) or not name:
+        raise _bad(f"{where}.name must be a non-empty string", where)
+    if not isinstance(args, Mapping):
+        raise _bad(f"{where}.input must be an object", where)
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def _system_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    if isinstance(req.system, str):
+        return [{"role": "system", "content": req.system}] if req.system else []
+    if not req.system:
+        return []
+    parts = [
+        p for p in _text_parts(req.system, "system") if not p["text"].startswith(BILLING_HEADER)
+    ]
+    return [{"role": "system", "content": parts}] if parts else []
+
+
+def _with_output_format(req: CountTokensRequest, out: list[dict[str, Any]]) -> None:
+    """`output_config.format` as the system turn's response format (DeepSeek renders it)."""
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is None:
+        return
+    if not out or out[0]["role"] != "system":
+        out.insert(0, {"role": "system", "content": ""})
+    out[0]["response_format"] = fmt.schema_
+
+
+def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
+    """The request's system prompt and messages as OpenAI chat messages."""
+    out = _system_messages(req)
+    open_calls: set[str] = set()
+    started = False
+    for i, msg in enumerate(req.messages):
+        where = f"messages[{i}].content"
+        if msg.role == "system":
+            role = "developer" if started else "system"
+            out.append({"role": role, "content": _text_parts(msg.content, where)})
+        elif msg.role == "user":
+            out.extend(_user_messages(msg.content, where, open_calls))
+            open_calls = set()
+        else:
+            message = _assistant_message(msg.content, where)
+            open_calls = {c["id"] for c in message.get("tool_calls", ())}
+            out.append(message)
+        started = started or msg.role != "system"
+    if not started:
+        raise _bad("messages: at least one user message is required", "messages")
+    if req.messages[-1].role == "assistant":
+        raise _bad(
+            "messages: a final assistant message (response prefill) is not supported",
+            "messages",
+        )
+    _with_output_format(req, out)
+    return out
+
+
+def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
+    if not req.tools:
+        return None
+    out: list[dict[str, Any]] = []
+    for tool in req.tools:
+        if not tool.is_custom:
+            _warn_once(
+                f"tool:{tool.type}",
+                "leaving server tool %r (type %s) out of the prompt: it runs on Anthropic's "
+                "servers, not here",
+                tool.name,
+                tool.type,
+            )
+            continue
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description is not None:
+            function["description"] = tool.description
+        function["parameters"] = tool.input_schema
+        out.append({"type": "function", "function": function})
+    return out or None
+
+
+def _check_tool_choice(req: CountTokensRequest, tools: list[dict[str, Any]] | None) -> None:
+    choice = req.tool_choice
+    if choice is None or choice.type in ("auto", "none"):
+        return
+    names = {t["function"]["name"] for t in tools or ()}
+    if not names:
+        raise _bad(f"tool_choice '{choice.type}' needs tools", "tool_choice")
+    if choice.type == "tool" and choice.name not in names:
+        raise _bad(
+            f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice"
+        )
+    _warn_once(
+        "tool_choice",
+        "tool_choice %r is served like 'auto': the model is asked, not forced, to call a tool",
+        choice.type,
+    )
+
+
+def _budget_effort(budget: int | None) -> str | None:
+    """A thinking budget as a reasoning effort (the encoder's vocabulary)."""
+    if budget is None:
+        return None
+    if budget < 4096:
+        return "low"
+    return "high" if budget < 32768 else "max"
+
+
+def prompt_request(req: CountTokensRequest) -> PromptRequest:
+    """What the chat stage renders for this request."""
+    tools = _tools(req)
+    _check_tool_choice(req, tools)
+    kwargs: dict[str, Any] = {}
+    effort: str | None = None
+    if req.thinking is not None:
+        enabled = req.thinking.type != "disabled"
+        kwargs = {"thinking": enabled, "enable_thinking": enabled}
+        if req.thinking.type == "enabled":
+            effort = _budget_effort(req.thinking.budget_tokens)
+    if req.output_config is not None and req.output_config.effort is not None:
+        effort = req.output_config.effort
+    return PromptRequest(
+        messages=openai_messages(req),
+        tools=tools,
+        reasoning_effort=effort,
+        chat_template_kwargs=kwargs,
+    )
+
+
+def to_generation(req: MessagesRequest) -> ChatGeneration:
+    """A Messages request in the server's internal terms."""
+    choice = req.tool_choice
+    sampling = Sampling(
+        max_tokens=req.max_tokens,
+        clamp_max_tokens=True,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        top_k=req.top_k,
+    )
+    return ChatGeneration(
+        prompt=prompt_request(req),
+        sampling=sampling,
+        stops=tuple(s for s in req.stop_sequences or () if s),
+        tools_enabled=bool(req.tools) and (choice is None or choice.type != "none"),
+        parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        stream=bool(req.stream),
+    )
+
+
+def show_thinking(req: MessagesRequest) -> bool:
+    """Whether thinking text is sent (`display: "omitted"` sends only the signature)."""
+    return req.thinking is None or req.thinking.display != "omitted"
