@@ -21,7 +21,18 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="names the model answers to; responses carry the first (default: the directory)",
+    )
+    p.add_argument(
+        "--strict-model-name",
+        action="store_true",
+        help="404 a request naming another model (default: any name is served)",
+    )
     p.add_argument(
         "--tool-call-parser",
         default="auto",
@@ -40,7 +51,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-prefill-tokens", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap on prompt + max_tokens (default: the model's config, else 32768)",
+    )
     p.add_argument("--max-waiting", type=int, default=256)
     p.add_argument("--prefix-cache-bytes", type=int, default=None)
     p.add_argument("--prefix-cache-entries", type=int, default=64)
@@ -134,8 +150,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="mlxserve.bench.serve:run")
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("mlxserve")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"mlxserve {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
     _add_generate(sub)

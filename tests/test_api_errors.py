@@ -139,8 +139,10 @@ def test_impossible_structured_output_is_stated(http: httpx.Client) -> None:
     assert "look-around" in err["message"] and err["param"] == "response_format"
 
 
-def test_unknown_model_and_route(http: httpx.Client) -> None:
-    assert _error(http, 404, chat_body(model="other"))["code"] == "model_not_found"
+def test_unknown_model_is_served_and_unknown_route_404s(http: httpx.Client) -> None:
+    # One model is served: another name is served too (--strict-model-name refuses it).
+    response = http.post("/v1/chat/completions", json=chat_body(model="other", max_tokens=1))
+    assert response.status_code == 200 and response.json()["model"] == MODEL
     assert_error_shape(http.get("/v1/nothing"), 404)
     assert_error_shape(http.get("/v1/chat/completions"), 405)
 

@@ -175,6 +175,10 @@ def test_models_health_cache_metrics(server: ServerThread, client: openai.OpenAI
         "mlxserve_generation_tokens_total",
         "mlxserve_time_to_first_token_seconds_bucket",
         "mlxserve_prefix_cache_hits_total",
+        "mlxserve_prefix_cache_hit_ratio",
+        "mlxserve_kv_cache_bytes",
+        "mlxserve_inter_token_latency_seconds_bucket",
+        "mlxserve_e2e_request_latency_seconds_count",
     ):
         assert name in metrics
 
@@ -231,3 +235,22 @@ def test_health_answers_while_eight_streams_decode(server: ServerThread) -> None
 def test_normal_request_after_everything(server: ServerThread) -> None:
     r = post(server.url, "/v1/chat/completions", chat_body(model=MODEL))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_metrics_show_kv_bytes_while_a_request_decodes(
+    server: ServerThread, client: openai.OpenAI
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def kv_bytes(http: httpx.Client) -> float:
+        families = text_string_to_metric_families(http.get("/metrics").text)
+        family = next(f for f in families if f.name == "mlxserve_kv_cache_bytes")
+        return float(family.samples[0].value)
+
+    stream = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0, stream=True
+    )
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        # The role chunk goes out before any token; the second chunk carries one.
+        during = [kv_bytes(http) for n, _ in enumerate(stream) if n == 1]
+    assert during and during[0] > 0, during

@@ -265,6 +265,46 @@ def test_metrics_render() -> None:
     assert "mlxserve_generation_tokens_total 5" in text
 
 
+def test_metrics_are_prometheus_client_families() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m, other = Metrics(), Metrics()  # each has its own registry: no duplicate-name error
+    m.observe_ttft(0.2)
+    for gap in (0.004, 0.02, 0.02):
+        m.observe_itl(gap)
+    m.observe_e2e(1.5)
+    other.count_request("text", "ok")
+    stats = {
+        "running": 1,
+        "kv_cache_bytes": 4096,
+        "prefix_cache": {"hits": 3, "misses": 1, "bytes": 10, "entries": 2},
+    }
+    families = {f.name: f for f in text_string_to_metric_families(m.render(stats, ready=True))}
+    kinds = {name: f.type for name, f in families.items()}
+    assert kinds["mlxserve_time_to_first_token_seconds"] == "histogram"
+    assert kinds["mlxserve_inter_token_latency_seconds"] == "histogram"
+    assert kinds["mlxserve_e2e_request_latency_seconds"] == "histogram"
+    assert kinds["mlxserve_requests"] == kinds["mlxserve_prefix_cache_hits"] == "counter"
+
+    def value(family: str, sample: str) -> float:
+        return next(s.value for s in families[family].samples if s.name == sample)
+
+    assert (
+        value("mlxserve_inter_token_latency_seconds", "mlxserve_inter_token_latency_seconds_count")
+        == 3
+    )
+    assert (
+        value("mlxserve_e2e_request_latency_seconds", "mlxserve_e2e_request_latency_seconds_sum")
+        == 1.5
+    )
+    assert value("mlxserve_prefix_cache_hit_ratio", "mlxserve_prefix_cache_hit_ratio") == 0.75
+    assert value("mlxserve_kv_cache_bytes", "mlxserve_kv_cache_bytes") == 4096
+    assert value("mlxserve_model_ready", "mlxserve_model_ready") == 1
+    assert not [s for f in families.values() for s in f.samples if s.name.endswith("_created")]
+    assert 'outcome="ok"' not in m.render(None, ready=False)
+    assert "mlxserve_prefix_cache_hit_ratio 0.0" in m.render(None, ready=False)
+
+
 # -- incremental detokenizer -----------------------------------------------------------
 
 

@@ -114,3 +114,16 @@ def test_malformed_messages(raw: Any, match: str) -> None:
 
 def test_prompt_error_is_a_value_error() -> None:
     assert issubclass(PromptError, ValueError)
+
+
+def test_lenient_arguments_follow_the_v41_rule() -> None:
+    inner = {"city": "Paris"}
+    double = json.dumps(json.dumps(inner))
+    assert decode_arguments(double, strict=False) == (inner, double)
+    assert decode_arguments('"Paris"', strict=False) == (None, '"Paris"')
+    assert decode_arguments(json.dumps("[1]"), strict=False) == (None, json.dumps("[1]"))
+    assert decode_arguments([1, 2], strict=False) == ({"arguments": [1, 2]}, None)
+    with pytest.raises(PromptError, match="must encode a JSON object"):
+        decode_arguments(double)
+    with pytest.raises(PromptError, match="must be a JSON object"):
+        decode_arguments([1, 2])

@@ -10,11 +10,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.anthropic_routes import count_tokens, messages
 from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
 from mlxserve.api.handlers import ClientGone, chat_completions, completions
+from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mlxserve.api.responses_routes import ResponsesAPI
 from mlxserve.api.responses_store import ResponseStore
 from mlxserve.api.state import ServerState
@@ -57,7 +58,16 @@ async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
         await asyncio.sleep(0.1)
         elapsed = time.monotonic() - start
         if elapsed >= next_report:
-            logger.info("still loading the model (%.0f s)", elapsed)
+            progress = state.load_progress
+            if progress is None:
+                logger.info("still loading the model (%.0f s)", elapsed)
+            else:
+                logger.info(
+                    "still loading the model: %.0f%% (%s, %.0f s)",
+                    progress.fraction * 100,
+                    progress.stage,
+                    elapsed,
+                )
             next_report += every_s
     if state.engine.load_error is not None:
         logger.error("the model failed to load: %s", state.engine.load_error)
@@ -122,15 +132,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def _models(request: Request) -> dict[str, Any]:
         check_api_key(request, state.config.api_key)
-        card: dict[str, Any] = {
-            "id": state.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "mlxserve",
-        }
-        if state.engine.ready:
-            card["max_model_len"] = state.context_limit(state.engine.model)
-        return {"object": "list", "data": [card]}
+        limit = state.context_limit(state.engine.model) if state.engine.ready else None
+        cards: list[dict[str, Any]] = []
+        for name in state.served_names:
+            card: dict[str, Any] = {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "mlxserve",
+            }
+            if limit is not None:
+                card["max_model_len"] = limit
+            cards.append(card)
+        return {"object": "list", "data": cards}
 
     @app.get("/health")
     async def _health() -> JSONResponse:
@@ -138,7 +152,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if error is not None:
             return JSONResponse({"status": "error", "error": error}, status_code=503)
         if not state.engine.ready:
-            return JSONResponse({"status": "loading"}, status_code=503)
+            body: dict[str, Any] = {"status": "loading"}
+            if state.load_progress is not None and state.load_progress.stage != "starting":
+                body["progress"] = round(state.load_progress.fraction, 3)
+                body["stage"] = state.load_progress.stage
+            return JSONResponse(body, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/cache/stats")
@@ -150,6 +168,6 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return cache
 
     @app.get("/metrics")
-    async def _metrics() -> PlainTextResponse:
+    async def _metrics() -> Response:
         text = state.metrics.render(state.engine.stats(), state.engine.ready)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+        return Response(text, media_type=METRICS_CONTENT_TYPE)

@@ -111,13 +111,12 @@ class GenerationRun:
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         """Pipeline output until the request finishes; aborts it if left early."""
-        first = True
+        last_token: float | None = None
         try:
             async for event in self.events:
                 self.engine_finished = event.finished
-                if first and event.token_id is not None:
-                    first = False
-                    self.state.metrics.observe_ttft(time.monotonic() - self.arrival)
+                if event.token_id is not None:
+                    last_token = self._observe_token(last_token)
                 delta = self.pipeline.step(event)
                 if not delta.empty:
                     yield delta
@@ -129,6 +128,15 @@ class GenerationRun:
             raise
         finally:
             await self._close()
+
+    def _observe_token(self, previous: float | None) -> float:
+        """Time to first token, then the gaps between tokens; returns this token's time."""
+        now = time.monotonic()
+        if previous is None:
+            self.state.metrics.observe_ttft(now - self.arrival)
+        else:
+            self.state.metrics.observe_itl(now - previous)
+        return now
 
     def abort_if_running(self) -> None:
         if not self.engine_finished and not self._aborted:
@@ -145,6 +153,8 @@ class GenerationRun:
         m = self.state.metrics
         m.count_tokens(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
         m.count_request(self.meta.kind, self.outcome)
+        if self.outcome == "ok":
+            m.observe_e2e(time.monotonic() - self.arrival)
 
     async def sse(self) -> AsyncIterator[bytes]:
         meta = self.meta

@@ -1,126 +1,141 @@
-"""Prometheus text exposition (format 0.0.4) of the server's counters.
+"""Prometheus metrics of one server, through the `prometheus_client` library.
 
-Counters and the TTFT histogram live here (updated by the request handlers
-on the event loop); gauges (running/waiting) and engine totals come from
-`engine.stats()` at scrape time.
+Each `Metrics` owns its own `CollectorRegistry` (never the process-global
+one), so several servers in one process (tests) do not collide. Counters and
+latency histograms are updated by the request handlers on the event loop;
+gauges and engine totals (running/waiting, prefix cache, KV bytes) are read
+from `engine.stats()` at scrape time by a collector of this registry.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
 PREFIX = "mlxserve"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# `*_created` series double every counter's lines and nobody here reads them.
+disable_created_metrics()
 
 
-@dataclass
-class Histogram:
-    buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)
-    total: float = 0.0
-    n: int = 0
+class _EngineCollector(Collector):
+    """Gauges and engine-side counters from the latest `engine.stats()`."""
 
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.buckets)
+    def __init__(self) -> None:
+        self.stats: dict[str, Any] = {}
+        self.ready = False
 
-    def observe(self, value: float) -> None:
-        i = bisect.bisect_left(self.buckets, value)
-        if i < len(self.counts):
-            self.counts[i] += 1
-        self.total += value
-        self.n += 1
-
-    def lines(self, name: str) -> list[str]:
-        out: list[str] = []
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts, strict=True):
-            cumulative += count
-            out.append(f'{name}_bucket{{le="{bound:g}"}} {cumulative}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.total:.6f}")
-        out.append(f"{name}_count {self.n}")
-        return out
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        p, stats = PREFIX, self.stats
+        cache = stats.get("prefix_cache") or {}
+        yield _gauge(f"{p}_model_ready", "1 once the model is loaded.", int(self.ready))
+        yield _gauge(f"{p}_requests_running", "Requests decoding now.", _num(stats, "running"))
+        yield _gauge(f"{p}_requests_waiting", "Requests queued for a slot.", _num(stats, "waiting"))
+        yield _gauge(
+            f"{p}_kv_cache_bytes",
+            "Bytes of KV cache held by the requests in flight.",
+            _num(stats, "kv_cache_bytes"),
+        )
+        for key in ("hits", "misses", "tokens_reused"):
+            yield CounterMetricFamily(
+                f"{p}_prefix_cache_{key}",
+                f"Prefix cache {key.replace('_', ' ')}.",
+                value=_num(cache, key),
+            )
+        for key in ("bytes", "entries"):
+            yield _gauge(f"{p}_prefix_cache_{key}", f"Prefix cache {key}.", _num(cache, key))
+        hits, misses = _num(cache, "hits"), _num(cache, "misses")
+        ratio = hits / (hits + misses) if hits + misses else 0.0
+        yield _gauge(
+            f"{p}_prefix_cache_hit_ratio",
+            "Share of prefix-cache lookups that reused a cached prefix (since start).",
+            ratio,
+        )
 
 
 class Metrics:
     """Request counters and latency histograms of one server."""
 
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str]] = Counter()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.cached_tokens = 0
+        self.registry = CollectorRegistry(auto_describe=True)
+        p, reg = PREFIX, self.registry
+        self._engine = _EngineCollector()
+        reg.register(self._engine)
+        self._requests = Counter(
+            f"{p}_requests",
+            "HTTP generation requests by endpoint and outcome.",
+            ["endpoint", "outcome"],
+            registry=reg,
+        )
+        self._prompt = Counter(f"{p}_prompt_tokens", "Prompt tokens served.", registry=reg)
+        self._generated = Counter(f"{p}_generation_tokens", "Tokens generated.", registry=reg)
+        self._cached = Counter(
+            f"{p}_cached_prompt_tokens",
+            "Prompt tokens served from the prefix cache.",
+            registry=reg,
+        )
+        self._ttft = Histogram(
+            f"{p}_time_to_first_token_seconds",
+            "Time to first token.",
+            buckets=TTFT_BUCKETS,
+            registry=reg,
+        )
+        self._itl = Histogram(
+            f"{p}_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request.",
+            buckets=ITL_BUCKETS,
+            registry=reg,
+        )
+        self._e2e = Histogram(
+            f"{p}_e2e_request_latency_seconds",
+            "Time from a request's arrival to its last token.",
+            buckets=E2E_BUCKETS,
+            registry=reg,
+        )
 
     def count_request(self, endpoint: str, outcome: str) -> None:
-        self.requests[(endpoint, outcome)] += 1
+        self._requests.labels(endpoint=endpoint, outcome=outcome).inc()
 
     def observe_ttft(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
+        self._ttft.observe(seconds)
+
+    def observe_itl(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        self._e2e.observe(seconds)
 
     def count_tokens(self, prompt: int, generated: int, cached: int) -> None:
-        self.prompt_tokens += prompt
-        self.generation_tokens += generated
-        self.cached_tokens += cached
+        self._prompt.inc(prompt)
+        self._generated.inc(generated)
+        self._cached.inc(cached)
 
     def render(self, engine_stats: dict[str, Any] | None, ready: bool) -> str:
-        p = PREFIX
-        lines: list[str] = []
+        """The text exposition (format 0.0.4) with these engine stats."""
+        self._engine.stats = dict(engine_stats or {})
+        self._engine.ready = ready
+        return generate_latest(self.registry).decode("utf-8")
 
-        def metric(name: str, kind: str, help_text: str, values: list[str]) -> None:
-            lines.append(f"# HELP {p}_{name} {help_text}")
-            lines.append(f"# TYPE {p}_{name} {kind}")
-            lines.extend(f"{p}_{name}{v}" for v in values)
 
-        stats = engine_stats or {}
-        cache = stats.get("prefix_cache") or {}
-        metric("model_ready", "gauge", "1 once the model is loaded.", [f" {int(ready)}"])
-        metric(
-            "requests_running", "gauge", "Requests decoding now.", [f" {_num(stats, 'running')}"]
-        )
-        metric(
-            "requests_waiting",
-            "gauge",
-            "Requests queued for a slot.",
-            [f" {_num(stats, 'waiting')}"],
-        )
-        metric(
-            "requests_total",
-            "counter",
-            "HTTP generation requests by endpoint and outcome.",
-            [
-                f'{{endpoint="{ep}",outcome="{oc}"}} {n}'
-                for (ep, oc), n in sorted(self.requests.items())
-            ],
-        )
-        metric(
-            "prompt_tokens_total", "counter", "Prompt tokens served.", [f" {self.prompt_tokens}"]
-        )
-        metric(
-            "generation_tokens_total",
-            "counter",
-            "Tokens generated.",
-            [f" {self.generation_tokens}"],
-        )
-        metric(
-            "cached_prompt_tokens_total",
-            "counter",
-            "Prompt tokens served from the prefix cache.",
-            [f" {self.cached_tokens}"],
-        )
-        for key in ("hits", "misses", "tokens_reused", "bytes", "entries"):
-            kind = "gauge" if key in ("bytes", "entries") else "counter"
-            name = f"prefix_cache_{key}" + ("_total" if kind == "counter" else "")
-            metric(name, kind, f"Prefix cache {key.replace('_', ' ')}.", [f" {_num(cache, key)}"])
-        lines.append(f"# HELP {p}_time_to_first_token_seconds Time to first token.")
-        lines.append(f"# TYPE {p}_time_to_first_token_seconds histogram")
-        lines.extend(self.ttft.lines(f"{p}_time_to_first_token_seconds"))
-        return "\n".join(lines) + "\n"
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
 
 
 def _num(stats: dict[str, Any], key: str) -> int | float:
     value = stats.get(key, 0)
-    return value if isinstance(value, int | float) else 0
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else 0

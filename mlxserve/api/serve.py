@@ -14,6 +14,7 @@ from mlxserve.api.app import create_app
 from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.progress import LoadProgress
 
 logger = logging.getLogger("mlxserve.serve")
 
@@ -36,7 +37,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         host=args.host,
         port=args.port,
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name[0] if args.served_model_name else None,
         api_key=args.api_key,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -55,6 +56,12 @@ def model_path(args: argparse.Namespace) -> Path:
         logger.warning(RANDOM_WEIGHTS_NOTICE)
         return demo_model_path()
     if not args.model:
+        names = args.served_model_name or []
+        if len(names) > 1 and Path(names[-1]).is_dir():
+            raise ValueError(
+                "give MODEL_DIR before --served-model-name (which takes several names): "
+                f"mlxserve serve {names[-1]} --served-model-name {' '.join(names[:-1])}"
+            )
         raise ValueError("give a MODEL_DIR or --demo")
     return Path(args.model)
 
@@ -67,6 +74,7 @@ def build_app(
 
     ecfg = engine_config(args)
     scfg = server_config(args)
+    progress = LoadProgress(bar=None if loader is None else False)
     if loader is None:
         from mlxserve.models import load
 
@@ -74,17 +82,21 @@ def build_app(
         encoder = scfg.chat_encoder
 
         def loader() -> LoadedModel:
-            return load(path, chat_encoder=encoder)
+            return load(path, chat_encoder=encoder, progress=progress)
 
         default_name = "mlxserve-demo" if args.demo else str(args.model)
     else:
         default_name = str(args.model or "mlxserve")
     engine = AsyncEngine(ecfg, loader)
+    names = tuple(args.served_model_name or (default_name,))
     state = ServerState(
         engine=engine,
         config=scfg,
-        model_name=scfg.served_model_name or default_name,
+        model_name=names[0],
         max_model_len=ecfg.max_model_len,
+        aliases=names,
+        strict_model_name=bool(getattr(args, "strict_model_name", False)),
+        load_progress=progress,
     )
     return create_app(state), state
 

@@ -13,11 +13,28 @@ from mlxserve.api.metrics import Metrics
 from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.progress import LoadProgress
 from mlxserve.parsers import ParserSpec, resolve_parsers
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 4096
+# The context limit of a model whose config names none and no --max-model-len.
+DEFAULT_CONTEXT_LIMIT = 32768
+# Config fields real checkpoints use for their context length, in order of trust.
+CONTEXT_FIELDS = (
+    "max_position_embeddings",
+    "max_seq_len",
+    "max_sequence_length",
+    "seq_length",
+    "n_positions",
+    "model_max_length",
+    "n_ctx",
+)
+# Multimodal and wrapper configs keep the language model's fields in a sub-config.
+NESTED_CONFIGS = ("text_config", "language_config", "llm_config")
+# HF tokenizers report about 1e30 when tokenizer_config.json names no limit.
+_TOKENIZER_LIMIT_MAX = 1 << 40
 RETRY_AFTER_S = "1"
 T = TypeVar("T")
 
@@ -56,7 +73,15 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     # Called with (request_id, prompt_ids) for every submitted request (tests, tracing).
     on_submit: Callable[[str, list[int]], None] | None = None
+    # Every name the model answers to (--served-model-name A B ...); model_name is the first.
+    aliases: tuple[str, ...] = ()
+    # --strict-model-name: a request naming another model is a 404.
+    strict_model_name: bool = False
+    # How far the model load has got (/health reports it while loading).
+    load_progress: LoadProgress | None = None
     _parsers: ParserSpec | None = None
+    _context_limit: int | None = None
+    _names_seen: set[str] = field(default_factory=set)
 
     def require_model(self) -> LoadedModel:
         """The loaded model, or 503 while it loads (or failed to load)."""
@@ -71,13 +96,34 @@ class ServerState:
         except EngineNotReady as e:
             raise APIError(503, str(e) or "model is not ready") from e
 
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """The names /v1/models lists: the served name first, then the other aliases."""
+        return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
     def check_model_name(self, name: str | None) -> None:
-        if name is not None and name not in (self.model_name, ""):
+        """Accept any name (one model is served), or 404 an unknown one when strict.
+
+        Agent clients send their own model ids; each unexpected name is logged
+        once. Responses always carry `model_name`.
+        """
+        if name is None or name == "" or name in self.served_names:
+            return
+        if self.strict_model_name:
             raise APIError(
                 404,
                 f"the model {name!r} does not exist; this server serves {self.model_name!r}",
                 param="model",
                 code="model_not_found",
+            )
+        if name not in self._names_seen and len(self._names_seen) < 64:
+            # Each new name once (a bounded set: clients could send endless names).
+            self._names_seen.add(name)
+            logger.info(
+                "a request names the model %r; serving %r (--strict-model-name refuses "
+                "other names)",
+                name,
+                self.model_name,
             )
 
     def parsers(self, model: LoadedModel) -> ParserSpec:
@@ -94,32 +140,71 @@ class ServerState:
             )
         return self._parsers
 
-    def context_limit(self, model: LoadedModel) -> int | None:
-        if self.max_model_len is not None:
-            return self.max_model_len
-        value = model.config.get("max_position_embeddings")
-        return value if isinstance(value, int) and value > 0 else None
+    def context_limit(self, model: LoadedModel) -> int:
+        """Tokens a request may span: the model's own limit, capped by --max-model-len.
 
-    def max_tokens(self, model: LoadedModel, requested: int | None, prompt_len: int) -> int:
-        """The request's token budget; 400 when the prompt plus it exceeds the context."""
+        The model's limit comes from its config (the fields real checkpoints
+        use, nested text configs included), else its tokenizer; a model with
+        neither gets --max-model-len, else DEFAULT_CONTEXT_LIMIT (logged).
+        """
+        if self._context_limit is None:
+            self._context_limit = self._resolve_context_limit(model)
+        return self._context_limit
+
+    def _resolve_context_limit(self, model: LoadedModel) -> int:
+        found = model_context_length(model.config, model.tokenizer)
+        cap = self.max_model_len
+        if found is None:
+            if cap is not None:
+                return cap
+            logger.warning(
+                "the model's config names no context length; limiting requests to %d tokens "
+                "(set --max-model-len to change it)",
+                DEFAULT_CONTEXT_LIMIT,
+            )
+            return DEFAULT_CONTEXT_LIMIT
+        source, value = found
+        if cap is None:
+            logger.info("context limit %d tokens (%s)", value, source)
+            return value
+        if cap > value:
+            logger.warning(
+                "--max-model-len %d exceeds the model's %s of %d; using %d",
+                cap,
+                source,
+                value,
+                value,
+            )
+            return value
+        return cap
+
+    def max_tokens(
+        self, model: LoadedModel, requested: int | None, prompt_len: int, clamp: bool = False
+    ) -> int:
+        """The request's token budget; 400 when the prompt plus it exceeds the context.
+
+        With `clamp` (the Anthropic route) a budget past the context is cut
+        to what fits instead; a prompt that alone does not fit is a 400 anyway.
+        """
         limit = self.context_limit(model)
-        if limit is not None and prompt_len >= limit:
+        if prompt_len >= limit:
             raise APIError(
                 400,
-                f"the prompt has {prompt_len} tokens; this server's context limit "
-                f"(--max-model-len) is {limit}",
+                f"the prompt has {prompt_len} tokens; this server's context limit is {limit}",
                 param="messages",
                 code="context_length_exceeded",
             )
         if requested is None:
-            return DEFAULT_MAX_TOKENS if limit is None else limit - prompt_len
+            return min(DEFAULT_MAX_TOKENS, limit - prompt_len)
         if requested < 1:
             raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
-        if limit is not None and prompt_len + requested > limit:
+        if prompt_len + requested > limit and clamp:
+            return limit - prompt_len
+        if prompt_len + requested > limit:
             raise APIError(
                 400,
                 f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
-                f"server's context limit (--max-model-len) of {limit}",
+                f"server's context limit of {limit} tokens",
                 param="max_tokens",
                 code="context_length_exceeded",
             )
@@ -129,14 +214,12 @@ class ServerState:
         self, model: LoadedModel, sampling: Sampling, prompt_len: int
     ) -> SamplingParams:
         """Engine sampling settings for a request; 400 for values the model cannot take."""
-        requested = sampling.max_tokens
-        if sampling.clamp_max_tokens and requested is not None:
-            limit = self.context_limit(model)
-            if limit is not None and prompt_len < limit:
-                requested = max(1, min(requested, limit - prompt_len))
+        max_tokens = self.max_tokens(
+            model, sampling.max_tokens, prompt_len, clamp=sampling.clamp_max_tokens
+        )
         try:
             return SamplingParams(
-                max_tokens=self.max_tokens(model, requested, prompt_len),
+                max_tokens=max_tokens,
                 temperature=_or(sampling.temperature, 1.0),
                 top_p=_or(sampling.top_p, 1.0),
                 top_k=_or(sampling.top_k, 0),
@@ -171,6 +254,21 @@ class ServerState:
         if self.on_submit is not None:
             self.on_submit(request_id, list(prompt_ids))
         return events
+
+
+def model_context_length(config: dict[str, Any], tokenizer: Any = None) -> tuple[str, int] | None:
+    """(where it was found, value) of a model's context length, or None."""
+    for where, cfg in [("config", config)] + [
+        (key, config[key]) for key in NESTED_CONFIGS if isinstance(config.get(key), dict)
+    ]:
+        for key in CONTEXT_FIELDS:
+            value = cfg.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return (key if where == "config" else f"{where}.{key}"), value
+    value = getattr(tokenizer, "model_max_length", None)
+    if isinstance(value, int) and 0 < value < _TOKENIZER_LIMIT_MAX:
+        return "tokenizer model_max_length", value
+    return None
 
 
 def _or(value: T | None, default: T) -> T:

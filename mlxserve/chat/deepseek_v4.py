@@ -6,7 +6,7 @@ The prompt is a flat string that starts with BOS:
     <｜User｜>user turn<｜Assistant｜><think>reasoning</think>reply[DSML calls]<｜end▁of▁sentence｜>
     <｜User｜>...<｜Assistant｜><think>            (thinking mode; chat mode ends with </think>)
 
-Rules (see /work/shared/goldens/README.md; every one is pinned by a golden):
+Rules (see tests/data/README.md; every one is pinned by a golden):
 
 * A system message is bare text (V4) or `<｜System｜>text` (V4.1). A developer
   message is its own `<｜User｜>` turn. Consecutive user and tool messages are
@@ -29,6 +29,14 @@ Rules (see /work/shared/goldens/README.md; every one is pinned by a golden):
   chat mode in both.
 * V4.1 only: a prompt that ends with an assistant reply gets a fresh
   `<｜Assistant｜><think>` (or `</think>`) after it; V4 ends at the reply's EOS.
+* V4.1 only: a system message after the first counts as a user turn: the
+  history drop-thinking hides ends at it, and it opens the reply that follows
+  it (or ends the prompt) like a user turn does.
+* V4.1 only: tool-call arguments that are no JSON object are decoded once more
+  (a double-encoded object is that object), else rendered as one `arguments`
+  parameter (V4 requires an object).
+* An empty developer message is an error only where it is rendered:
+  drop-thinking drops those before the last user turn unseen.
 """
 
 from __future__ import annotations
@@ -106,11 +114,14 @@ class _Format:
     system_marker: str
     tools_in_any_system: bool
     prompt_after_reply: bool  # V4.1 opens a new reply after a final assistant message
+    # V4.1: a system message after the first counts as a user turn (it ends the
+    # history drop-thinking hides and opens the reply that follows it).
+    mid_system_is_user: bool
 
 
 _FORMATS: dict[str, _Format] = {
-    "v4": _Format(V4_DSML, "\n", True, "", False, False),
-    "v41": _Format(V41_DSML, "\n\n", False, SYSTEM_V41, True, True),
+    "v4": _Format(V4_DSML, "\n", True, "", False, False, False),
+    "v41": _Format(V41_DSML, "\n\n", False, SYSTEM_V41, True, True, True),
 }
 
 
@@ -144,10 +155,12 @@ def encode_request(request: Mapping[str, Any], variant: Variant = "v4") -> str:
     messages = normalise_messages(
         raw_messages, join=fmt.join, strict_arguments=fmt.strict_arguments
     )
-    _validate(messages)
     schemas = tool_schemas(request.get("tools") or [])
     drop = thinking and _flag(request, "drop_thinking") and not schemas
-    turns = _build_turns(_attach_tools(fmt, messages, schemas), thinking, drop)
+    _validate(messages, drop, fmt.mid_system_is_user)
+    turns = _build_turns(
+        _attach_tools(fmt, messages, schemas), thinking, drop, fmt.mid_system_is_user
+    )
     return _render(fmt, turns, thinking, preamble)
 
 
@@ -187,9 +200,32 @@ def _v41_effort(effort: Any) -> int:
     )
 
 
-def _validate(messages: Sequence[Message]) -> None:
+def _last_user(messages: Sequence[Message], mid_system: bool = False) -> int:
+    """Index of the last user, tool or developer message (-1 if none).
+
+    With `mid_system` (V4.1) a system message after the first counts too.
+    """
+    return max(
+        (
+            i
+            for i, m in enumerate(messages)
+            if isinstance(m, (UserMessage, ToolMessage, DeveloperMessage))
+            or (mid_system and i > 0 and isinstance(m, SystemMessage))
+        ),
+        default=-1,
+    )
+
+
+def _validate(messages: Sequence[Message], drop: bool, mid_system: bool) -> None:
+    """Reject an empty developer message that would be rendered.
+
+    Like the reference, the check applies to the developer messages that are
+    kept: with drop-thinking those before the last user turn are dropped
+    unseen, so an empty one there is fine.
+    """
+    last_user = _last_user(messages, mid_system)
     for i, msg in enumerate(messages):
-        if isinstance(msg, DeveloperMessage) and not msg.content:
+        if isinstance(msg, DeveloperMessage) and not msg.content and not (drop and i < last_user):
             raise PromptError(f"messages[{i}]: a developer message must have non-empty content")
 
 
@@ -225,16 +261,11 @@ def _attach_tools(
     return out
 
 
-def _build_turns(messages: Sequence[Message], thinking: bool, drop: bool) -> list[_Turn]:
+def _build_turns(
+    messages: Sequence[Message], thinking: bool, drop: bool, mid_system: bool
+) -> list[_Turn]:
     """Group messages into turns, applying drop-thinking and tool-result merging."""
-    last_user = max(
-        (
-            i
-            for i, m in enumerate(messages)
-            if isinstance(m, (UserMessage, ToolMessage, DeveloperMessage))
-        ),
-        default=-1,
-    )
+    last_user = _last_user(messages, mid_system)
     turns: list[_Turn] = []
     pending: list[UserMessage | ToolMessage] = []
     call_ids: list[str | None] = []
@@ -294,6 +325,11 @@ def _render(fmt: _Format, turns: Sequence[_Turn], thinking: bool, preamble: str)
         nxt = turns[n + 1] if n + 1 < len(turns) else None
         if turn.kind == "system":
             out.append(("" if n == 0 and skip_marker else fmt.system_marker) + turn.text)
+            opens_reply = fmt.mid_system_is_user and (n > 0 or nxt is None)
+            if opens_reply and nxt is None:
+                out.append(ASSISTANT + (THINK_OPEN if thinking else THINK_CLOSE))
+            elif opens_reply and nxt is not None and nxt.kind == "assistant":
+                out.append(ASSISTANT + (THINK_OPEN if nxt.show_reasoning else THINK_CLOSE))
         elif turn.kind == "user":
             out.append(USER + turn.text)
             if nxt is None:

@@ -32,7 +32,7 @@ class ToolCall:
     `arguments` is the decoded JSON object, or None when the client sent a
     string that is not a JSON object (then `arguments_text` holds it and only
     a lenient encoder, DeepSeek-V4.1, renders it). An empty or null
-    argument string decodes to `{}`.
+    argument string decodes to `{}` (strict); see `decode_arguments`.
     """
 
     name: str
@@ -211,14 +211,19 @@ def decode_arguments(
 
     None means `{}`, and so does a blank string when `strict`. A string that
     is not a JSON object raises PromptError when `strict`, else gives
-    `(None, text)`.
+    `(None, text)`, except that the lenient (DeepSeek-V4.1) rule decodes a
+    JSON string once more, so a double-encoded object is still that object.
+    A lenient value that is neither a string nor an object becomes the single
+    argument `{"arguments": value}`.
     """
     if value is None:
         return {}, None
     if _is_map(value):
         return dict(value), None
     if not isinstance(value, str):
-        raise PromptError(f"{where} must be a JSON object or a string holding one")
+        if strict:
+            raise PromptError(f"{where} must be a JSON object or a string holding one")
+        return {"arguments": value}, None
     if strict and not value.strip():
         return {}, value
     try:
@@ -227,6 +232,12 @@ def decode_arguments(
         if strict:
             raise PromptError(f"{where} is not valid JSON ({e.msg} at char {e.pos})") from e
         return None, value
+    if not strict and isinstance(decoded, str):
+        # The V4.1 reference decodes up to twice: '"{\\"a\\": 1}"' is {"a": 1}.
+        try:
+            decoded = json.loads(decoded)
+        except json.JSONDecodeError:
+            return None, value
     if not isinstance(decoded, dict):
         if strict:
             raise PromptError(f"{where} must encode a JSON object, got {type(decoded).__name__}")

@@ -159,6 +159,7 @@ class AsyncEngine:
             "running": scheduler.num_running if scheduler else 0,
             "waiting": self._num_waiting(),
             "steps": self._core.steps,
+            "kv_cache_bytes": self._core.kv_bytes,
         }
         if scheduler is not None:
             stats.update(asdict(scheduler.counters))

@@ -64,6 +64,8 @@ class EngineCore:
         self.runner: Runner | None = None
         self.prefix_cache: PrefixCache | None = None
         self.steps = 0
+        # KV cache bytes of the requests in flight, after the last step (engine thread).
+        self.kv_bytes = 0
 
     # -- called from other threads -----------------------------------------
     def start(self) -> None:
@@ -147,6 +149,8 @@ class EngineCore:
         released = scheduler.take_released()
         if released.released:
             scheduler.update(runner.run(released))
+        if plan.has_work or released.released:
+            self.kv_bytes = runner.kv_bytes()
         return events
 
     def _fail_running(self, message: str) -> list[TokenEvent]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from mlxserve.engine.constraint import GrammarTokenizer
@@ -86,6 +87,25 @@ class DecodeBatch:
             layer.filter(keep)
 
 
+def _nbytes(value: Any, seen: set[int], depth: int = 0) -> int:
+    """Bytes of the mx arrays in a cache structure: lists, dicts and cache objects."""
+    if isinstance(value, mx.array):
+        if id(value) in seen:
+            return 0
+        seen.add(id(value))
+        return int(value.nbytes)
+    if depth > 4 or isinstance(value, nn.Module):  # a module's weights are no KV
+        return 0
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v, seen, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return sum(_nbytes(v, seen, depth + 1) for v in value.values())
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict):
+        return sum(_nbytes(v, seen, depth + 1) for v in fields.values())
+    return 0
+
+
 class Runner:
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
@@ -118,6 +138,11 @@ class Runner:
         for request_id in gone:
             self.caches.pop(request_id, None)
             self.samplers.pop(request_id, None)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the arrays in the caches of the requests in flight (each array once)."""
+        seen: set[int] = set()
+        return _nbytes(self.batch.cache, seen) + _nbytes(list(self.caches.values()), seen)
 
     def run(self, plan: StepPlan) -> StepResult:
         result = StepResult()

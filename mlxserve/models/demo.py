@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -18,10 +20,12 @@ RANDOM_WEIGHTS_NOTICE = (
 
 def demo_model_path() -> Path:
     """Path of the cached demo checkpoint, writing it on first use."""
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.synthetic import build_config, make_model
 
     root = Path(os.environ.get("MLXSERVE_CACHE_DIR", Path.home() / ".cache" / "mlxserve"))
-    path = root / f"demo-{DEMO_FAMILY}-seed{DEMO_SEED}"
+    # The config's hash in the name: a cached copy of an older config is not reused.
+    config = json.dumps(build_config(DEMO_FAMILY), sort_keys=True).encode()
+    path = root / f"demo-{DEMO_FAMILY}-seed{DEMO_SEED}-{hashlib.sha256(config).hexdigest()[:8]}"
     if not (path / "model.safetensors").is_file():
         logger.info("building the demo checkpoint in %s", path)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")

@@ -9,6 +9,7 @@ from typing import Any
 
 from mlxserve.models.adapter import ModelAdapter
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
+from mlxserve.models.progress import LoadProgress
 from mlxserve.models.scripted import is_scripted, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -40,20 +41,51 @@ def _check_files(path: Path) -> None:
         raise ModelLoadError(f"no tokenizer.json or tokenizer.model in {path}")
 
 
-def _load_module(path: Path, config: dict[str, Any]) -> Any:
+def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> Any:
+    """The model module, its weights materialised slice by slice (progress by bytes)."""
     model_type = config["model_type"]
+    progress.enter("module")
     if model_type in VLM_TYPES:
         from mlx_vlm.utils import load_model as vlm_load_model
 
-        return vlm_load_model(path).language_model
-    from mlx_lm.utils import _get_classes, load_model
+        module = vlm_load_model(path, lazy=True).language_model
+    else:
+        from mlx_lm.utils import _get_classes, load_model
 
-    try:
-        _get_classes(config)
-    except ValueError as e:
-        raise ModelLoadError(f"model_type {model_type!r} is not supported by mlx-lm: {e}") from e
-    module, _ = load_model(path)
+        try:
+            _get_classes(config)
+        except ValueError as e:
+            raise ModelLoadError(
+                f"model_type {model_type!r} is not supported by mlx-lm: {e}"
+            ) from e
+        module, _ = load_model(path, lazy=True)
+    _materialise(module, progress)
     return module
+
+
+def _materialise(module: Any, progress: LoadProgress) -> None:
+    """Evaluate the lazily loaded parameters in slices of about 1/50 of their bytes."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    flat: Any = tree_flatten(module.parameters())
+    arrays = [a for _, a in flat if isinstance(a, mx.array)]
+    total = sum(int(a.nbytes) for a in arrays)
+    logger.info("reading %.2f GB of weights", total / 1e9)
+    progress.enter("weights")
+    step = max(total // 50, 1)
+    done = pending = 0
+    group: list[Any] = []
+    for array in arrays:
+        group.append(array)
+        pending += int(array.nbytes)
+        if pending >= step:
+            mx.eval(group)
+            done, pending, group = done + pending, 0, []
+            progress.weights(done, total)
+    if group:
+        mx.eval(group)
+    progress.weights(total, total)
 
 
 def load_tokenizer(path: Path, eos_token_id: Any = None) -> Any:
@@ -75,10 +107,16 @@ def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
     return frozenset(ids)
 
 
-def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
-    """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem."""
+def load(
+    path: str | Path, chat_encoder: str = "auto", progress: LoadProgress | None = None
+) -> LoadedModel:
+    """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem.
+
+    `progress` (if given) follows the load: stage and fraction of weight bytes.
+    """
     from mlxserve.chat.render import choose_encoder
 
+    progress = progress or LoadProgress(bar=False)
     path = Path(path)
     config = read_config(path)
     try:
@@ -91,7 +129,8 @@ def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
     _check_files(path)
     logger.info("loading %s model from %s", model_type, path)
     try:
-        module = _load_module(path, config)
+        module = _load_module(path, config, progress)
+        progress.enter("tokenizer")
         tokenizer = load_tokenizer(path, config.get("eos_token_id"))
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
@@ -108,6 +147,7 @@ def load(path: str | Path, chat_encoder: str = "auto") -> LoadedModel:
         vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
     )
     _check_renderable(loaded)
+    progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
     return loaded
 

@@ -119,6 +119,9 @@ def _deepseek_v4_config(layers: int, hidden: int) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
+        # DeepSeek-V4's config.json: a 1M-token context (its YaRN rope_scaling is
+        # left out: it would change the numerics the tests pin).
+        "max_position_embeddings": 1048576,
     }
 
 
@@ -152,6 +155,7 @@ def _deepseek_v41_config(layers: int, hidden: int) -> dict[str, Any]:
         "hc_sinkhorn_iters": 3,
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
+        "max_position_embeddings": 1048576,
     }
 
 
