@@ -138,6 +138,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-tokens", type=int, default=8192)
     p.set_defaults(handler="mlxserve.bench.prefix_cache:run")
 
+    p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.structured:run")
+
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")
     p.add_argument("--url", default=None, help="drive an already running server instead")

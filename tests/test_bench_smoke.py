@@ -34,3 +34,11 @@ def test_bench_prefix_cache_reports_its_keys(tmp_path: Path, model_dir_factory) 
     assert figures["prefilled_tokens_per_warm_turn"] == figures["new_tokens_per_warm_turn"]
     for key in ("cold_ttft_s", "warm_ttft_s"):
         assert figures[key] > 0
+
+
+def test_bench_structured_reports_its_keys(tmp_path: Path) -> None:
+    out = tmp_path / "structured.json"
+    assert cli_main(["bench", "structured", "--tokens", "6", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    for key in ("constrained_over_free_1", "constrained_over_free_8", "mask_ms_p99"):
+        assert figures[key] > 0
