@@ -153,3 +153,39 @@ class ServeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=20)
+
+
+def scripted_server(script: Any, *extra: str, model: str = "scripted-v4") -> ServerThread:
+    """A server over the in-process scripted DeepSeek-V4 model, with its parsers pinned."""
+    from mlxserve.models.scripted import scripted_model
+
+    args = serve_args(
+        "--served-model-name",
+        model,
+        "--tool-call-parser",
+        "deepseek_v4",
+        "--reasoning-parser",
+        "deepseek_v4",
+        *extra,
+    )
+    return ServerThread(args, lambda: scripted_model(script))
+
+
+def history_message(msg: Any) -> dict[str, Any]:
+    """An `openai` chat reply as the assistant message a client sends back next turn."""
+    calls = [
+        {
+            "id": call.id,
+            "type": "function",
+            "function": {"name": call.function.name, "arguments": call.function.arguments},
+        }
+        for call in msg.tool_calls or []
+    ]
+    out: dict[str, Any] = {
+        "role": "assistant",
+        "content": msg.content,
+        "reasoning_content": getattr(msg, "reasoning_content", None),
+    }
+    if calls:
+        out["tool_calls"] = calls
+    return out

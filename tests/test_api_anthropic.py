@@ -17,7 +17,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from api_fixtures import ServerThread, serve_args
+from api_fixtures import ServerThread, history_message, serve_args
 
 from mlxserve.models import load
 from mlxserve.models.scripted import write_checkpoint
@@ -286,23 +286,7 @@ def _openai_session(server: ServerThread, turns: int) -> list[list[int]]:
             msg = out.choices[0].message
             assert msg.tool_calls
             call = msg.tool_calls[0]
-            messages.append(
-                {
-                    "role": "assistant",
-                    "content": msg.content,
-                    "reasoning_content": getattr(msg, "reasoning_content", None),
-                    "tool_calls": [
-                        {
-                            "id": call.id,
-                            "type": "function",
-                            "function": {
-                                "name": call.function.name,
-                                "arguments": call.function.arguments,
-                            },
-                        }
-                    ],
-                }
-            )
+            messages.append(history_message(msg))
             content = f'{{"temp": {20 + turn}}}'
             messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
     finally:

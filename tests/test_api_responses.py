@@ -22,9 +22,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_fixtures import ServerThread, assert_error_shape, free_port, post, serve_args
+from api_fixtures import (
+    ServerThread,
+    assert_error_shape,
+    free_port,
+    history_message,
+    post,
+    scripted_server,
+)
 
-from mlxserve.models.scripted import scripted_model, write_checkpoint
+from mlxserve.models.scripted import write_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -77,16 +84,7 @@ def _client(base_url: str) -> openai.OpenAI:
 
 
 def _server(scripts: list[str], *extra: str) -> ServerThread:
-    args = serve_args(
-        "--served-model-name",
-        MODEL,
-        "--tool-call-parser",
-        "deepseek_v4",
-        "--reasoning-parser",
-        "deepseek_v4",
-        *extra,
-    )
-    return ServerThread(args, lambda: scripted_model(scripts))
+    return scripted_server(scripts, *extra, model=MODEL)
 
 
 @pytest.fixture(scope="module")
@@ -384,16 +382,7 @@ def _chat_session(srv: ServerThread) -> list[list[int]]:
         if not msg.tool_calls:
             break
         call = msg.tool_calls[0]
-        messages.append(
-            {
-                "role": "assistant",
-                "content": msg.content,
-                "reasoning_content": getattr(msg, "reasoning_content", None),
-                "tool_calls": [
-                    {"id": call.id, "type": "function", "function": call.function.model_dump()}
-                ],
-            }
-        )
+        messages.append(history_message(msg))
         messages.append({"role": "tool", "tool_call_id": call.id, "content": "22 C"})
     return prompts
 

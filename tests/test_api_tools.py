@@ -15,9 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from api_fixtures import ServerThread, serve_args
-
-from mlxserve.models.scripted import scripted_model
+from api_fixtures import ServerThread, scripted_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +46,7 @@ def _assistant_reply(case: dict[str, Any]) -> str:
 
 
 def _server(script: str, *extra: str) -> ServerThread:
-    args = serve_args(
-        "--served-model-name",
-        MODEL,
-        "--tool-call-parser",
-        "deepseek_v4",
-        "--reasoning-parser",
-        "deepseek_v4",
-        *extra,
-    )
-    return ServerThread(args, lambda: scripted_model(script))
+    return scripted_server(script, *extra, model=MODEL)
 
 
 @pytest.fixture(scope="module")

@@ -15,31 +15,22 @@ the exact reasoning and the next turn's prompt extends this one's.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from mlxserve.api.errors import APIError
+from mlxserve.api.errors import APIError, bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.notices import warn_once
 from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
 from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
 from mlxserve.chat import PromptRequest
-
-logger = logging.getLogger(__name__)
 
 # Claude Code's first system block: billing metadata for Anthropic's servers, not an
 # instruction, and it differs between sessions; left in, it would end every
 # cross-session prefix-cache hit at the prompt's first tokens.
 BILLING_HEADER = "x-anthropic-billing-header:"
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
 
 
 # Thinking signatures are sealed reasoning text (shared with the Responses route).
@@ -48,7 +39,7 @@ thinking_from_signature = unseal_reasoning
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+    return bad_request(message, param)
 
 
 def _text_block(block: Mapping[str, Any], where: str) -> str:
@@ -229,7 +220,7 @@ def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
     out: list[dict[str, Any]] = []
     for tool in req.tools:
         if not tool.is_custom:
-            _warn_once(
+            warn_once(
                 f"tool:{tool.type}",
                 "leaving server tool %r (type %s) out of the prompt: it runs on Anthropic's "
                 "servers, not here",

@@ -89,6 +89,11 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+def bad_request(message: str, param: str | None = None) -> APIError:
+    """A 400 `invalid_request_error` naming the offending field."""
+    return APIError(400, message, param=param)
+
+
 def error_body(
     message: str, type: str, param: str | None = None, code: str | None = None
 ) -> dict[str, Any]:

@@ -22,22 +22,20 @@ Hosted tools (`web_search`, ...) cannot run here and are left out.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from mlxserve.api.errors import APIError
+from mlxserve.api.errors import APIError, bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.notices import warn_once
 from mlxserve.api.protocol import FunctionSpec
 from mlxserve.api.responses_protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
 from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
 from mlxserve.chat import PromptRequest
-
-logger = logging.getLogger(__name__)
 
 Item = Mapping[str, Any]
 
@@ -75,17 +73,10 @@ EFFORTS: dict[str, str | None] = {
     "max": "max",
 }
 NAMESPACE_SEPARATOR = "."
-_warned: set[str] = set()
-
-
-def _warn_once(key: str, message: str, *args: Any) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning(message, *args)
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+    return bad_request(message, param)
 
 
 @dataclass(frozen=True)
@@ -164,7 +155,7 @@ def _reasoning_text(item: Item, where: str) -> str:
         raise _bad(f"{where}.encrypted_content must be a string", f"{where}.encrypted_content")
     text = unseal_reasoning(sealed)
     if text is None:
-        _warn_once("sealed", "a reasoning item's encrypted_content is not ours; left out")
+        warn_once("sealed", "a reasoning item's encrypted_content is not ours; left out")
         return ""
     return text
 
@@ -331,14 +322,14 @@ def chat_tools(
             for j, fn in enumerate(inner):
                 here = f"{where}.tools[{j}]"
                 if not isinstance(fn, Mapping) or fn.get("type", "function") != "function":
-                    _warn_once(f"ns:{space}", "namespace %r: only its functions are served", space)
+                    warn_once(f"ns:{space}", "namespace %r: only its functions are served", space)
                     continue
                 name = str(fn.get("name") or "")
                 full = space + NAMESPACE_SEPARATOR + name
                 out.append(_function(fn, full, here))
                 namespaces[full] = (space, name)
         else:
-            _warn_once(
+            warn_once(
                 f"tool:{kind}",
                 "leaving tool type %r out of the prompt: this server cannot serve it",
                 kind,
