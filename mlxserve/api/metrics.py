@@ -78,6 +78,8 @@ class Metrics:
         stats = engine_stats or {}
         cache = stats.get("prefix_cache") or {}
         metric("model_ready", "gauge", "1 once the model is loaded.", [f" {int(ready)}"])
+        alive = int(bool(stats.get("alive", True)))
+        metric("engine_alive", "gauge", "0 once the engine thread has died.", [f" {alive}"])
         metric(
             "requests_running", "gauge", "Requests decoding now.", [f" {_num(stats, 'running')}"]
         )

@@ -32,6 +32,9 @@ class EngineLike(Protocol):
     def load_error(self) -> str | None: ...
 
     @property
+    def failure(self) -> str | None: ...
+
+    @property
     def model(self) -> LoadedModel: ...
 
     def start(self) -> None: ...
@@ -41,6 +44,8 @@ class EngineLike(Protocol):
     ) -> AsyncIterator[TokenEvent]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -56,10 +61,14 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     # Called with (request_id, prompt_ids) for every submitted request (tests, tracing).
     on_submit: Callable[[str, list[int]], None] | None = None
+    # Called once with the reason when the engine thread dies (`serve` ends the process).
+    on_engine_failure: Callable[[str], None] | None = None
     _parsers: ParserSpec | None = None
 
     def require_model(self) -> LoadedModel:
-        """The loaded model, or 503 while it loads (or failed to load)."""
+        """The loaded model, or 503 while it loads (or failed to load, or the engine died)."""
+        if self.engine.failure is not None:
+            raise APIError(503, f"the engine failed: {self.engine.failure}", code="engine_failed")
         if self.engine.load_error is not None:
             raise APIError(503, f"model failed to load: {self.engine.load_error}")
         if not self.engine.ready:
