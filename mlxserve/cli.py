@@ -115,6 +115,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-tokens", type=int, default=8192)
     p.set_defaults(handler="mlxserve.bench.prefix_cache:run")
 
+    p = bsub.add_parser("memory", help="long requests through a small KV byte budget")
+    p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 llama)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.set_defaults(handler="mlxserve.bench.memory:run")
+
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")
     p.add_argument("--url", default=None, help="drive an already running server instead")

@@ -32,9 +32,11 @@ import mlx.core as mx
 
 logger = logging.getLogger(__name__)
 
-# Lengths the probe fills a cache to (a sliding window, when the model has one, is added).
-PROBE_LENGTHS = (1, 257, 513)
+# Lengths the probe fills a cache to: just past 256-token preallocation blocks and just
+# before power-of-two compression boundaries (a sliding window, if any, is added).
+PROBE_LENGTHS = (1, 127, 255, 257, 511, 513)
 MAX_PROBE_TOKENS = 8192
+SLOPE_PERIOD = 256
 # Held back from the device's memory besides the weights (activations, the allocator's cache).
 MARGIN_FRACTION = 0.10
 MIN_MARGIN_BYTES = 1 << 30
@@ -61,15 +63,33 @@ class CacheCost:
 
 
 def fit_cost(samples: Iterable[tuple[int, int]]) -> CacheCost:
-    """The line above every (tokens, bytes) sample, with the slope of the two longest."""
+    """The line above every (tokens, bytes) sample.
+
+    Its slope is the largest growth between samples a whole number of
+    `SLOPE_PERIOD` tokens apart (mlx-lm preallocates KV in 256-token blocks and
+    compressed caches compact at power-of-two boundaries, so closer samples can
+    jump by a whole block); its intercept is the largest remainder.
+    """
     points = sorted(set(samples))
     if not points:
         raise ValueError("no samples")
+    slopes = [
+        (b2 - b1) / (n2 - n1)
+        for i, (n1, b1) in enumerate(points)
+        for n2, b2 in points[i + 1 :]
+        if (n2 - n1) % SLOPE_PERIOD == 0
+    ]
+    if not slopes:  # too few probes: the steepest growth between any two
+        slopes = [
+            (b2 - b1) / (n2 - n1)
+            for i, (n1, b1) in enumerate(points)
+            for n2, b2 in points[i + 1 :]
+            if n2 > n1
+        ]
+    slope = max([0.0, *slopes])
     if len(points) == 1:
         tokens, nbytes = points[0]
-        return CacheCost(nbytes, nbytes / max(tokens, 1))
-    (n1, b1), (n2, b2) = points[-2], points[-1]
-    slope = max(0.0, (b2 - b1) / (n2 - n1))
+        slope = nbytes / max(tokens, 1)
     fixed = max(math.ceil(b - slope * n) for n, b in points)
     # One token more: a batch's buffer may hold one row past the longest request's.
     return CacheCost(max(0, fixed) + math.ceil(slope), slope)
@@ -80,7 +100,8 @@ def probe_lengths(model_config: dict[str, Any]) -> list[int]:
     for key in ("sliding_window", "window_size"):
         value = model_config.get(key)
         if isinstance(value, int) and 0 < value < MAX_PROBE_TOKENS:
-            lengths.update({value + 1, value + 257})
+            lengths.add(value + 1)
+            lengths.add(value + 1 + SLOPE_PERIOD)
     return sorted(lengths)
 
 

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, Rot
 
 from mlxserve.engine import faults
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.memory import CacheCost, cache_arrays, fit_cost, live_nbytes, probe_lengths
+from mlxserve.engine.memory import CacheCost, fit_cost, live_nbytes, probe_lengths
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
+
+# Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
+PROBE_DECODE_STEPS = 4
 
 # mlx-lm cache classes with a batched form of their own.
 _LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
@@ -149,25 +152,37 @@ class Runner:
     def probe_cost(self) -> CacheCost:
         """Measure one request's cache bytes against its tokens on this model.
 
-        Fills fresh caches to a few lengths (alone, and merged into a batch of
-        one when requests decode batched) and fits an upper bound.
+        Fills fresh caches to a few lengths by a prefill (a multi-token update
+        may hold more than decoding does, e.g. a whole chunk in a window
+        cache), then decodes a token alone and, when requests decode batched,
+        merged into a batch of one; an upper bound is fitted to every sample.
         """
         vocab = max(1, self.model.vocab_size)
-        samples: list[tuple[int, int]] = []
+        samples: dict[int, int] = {}
+
+        def sample(tokens: int, cache: list[Any]) -> None:
+            samples[tokens] = max(samples.get(tokens, 0), live_nbytes(cache))
+
+        def feed(tokens: list[int], cache: list[Any]) -> None:
+            inputs = mx.array([tokens], dtype=mx.int32)
+            mx.eval(self.model.model.last_logits(inputs, cache))
+
         for length in probe_lengths(self.model.config):
             cache = self.model.make_cache()
-            tokens = mx.array([[(i * 31 + 7) % vocab for i in range(length)]], dtype=mx.int32)
-            mx.eval(self.model.model.last_logits(tokens, cache))
-            samples.append((length, live_nbytes(cache)))
+            feed([(i * 31 + 7) % vocab for i in range(length)], cache)
+            sample(length, cache)
+            for step in range(1, PROBE_DECODE_STEPS + 1):
+                feed([step % vocab], cache)
+                sample(length + step, cache)
             if self.batchable:
                 probe = DecodeBatch()
                 probe.add("probe", cache)
-                mx.eval(cache_arrays(probe.cache))
-                samples.append((length, live_nbytes(probe.cache)))
-        by_length: dict[int, int] = {}
-        for length, nbytes in samples:
-            by_length[length] = max(nbytes, by_length.get(length, 0))
-        return fit_cost(by_length.items())
+                length += PROBE_DECODE_STEPS
+                sample(length, probe.cache)
+                for step in range(1, PROBE_DECODE_STEPS // 2 + 1):
+                    feed([step % vocab], probe.cache)
+                    sample(length + step, probe.cache)
+        return fit_cost(samples.items())
 
     def run(self, plan: StepPlan) -> StepResult:
         result = StepResult()
