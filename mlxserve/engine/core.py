@@ -316,9 +316,10 @@ class EngineCore:
         try:
             if self.scheduler is not None:
                 self.scheduler.fail_all(message)
-                self._flush()
             if self.runner is not None:
-                self.runner.reset()  # free the caches of the requests it held
+                self.runner.reset()  # free the caches before the clients hear
+            if self.scheduler is not None:
+                self._flush()
         except Exception:  # the owner's on_death still fails every open request
             logger.exception("failing the open requests of a dead engine failed")
         if self._on_death is not None:
