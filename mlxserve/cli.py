@@ -61,6 +61,24 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-bytes", type=int, default=None)
     p.add_argument("--prefix-cache-entries", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument(
+        "--kv-memory-bytes",
+        type=int,
+        default=None,
+        help="byte budget of running caches + prefix cache (default: from the device)",
+    )
+    p.add_argument(
+        "--request-timeout", type=float, default=None, help="fail requests running longer (s)"
+    )
+    p.add_argument(
+        "--keepalive-interval", type=float, default=10.0, help="SSE keep-alive comment period (s)"
+    )
+    p.add_argument(
+        "--exit-on-engine-failure",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exit non-zero when the engine thread dies (for a supervisor to restart)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
@@ -142,6 +160,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
+
+    p = bsub.add_parser("memory", help="long requests through a small KV byte budget")
+    p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 llama)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=48)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.set_defaults(handler="mlxserve.bench.memory:run")
 
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")

@@ -24,8 +24,21 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int = 64
+    # One byte budget for running caches, prefix-cache hit copies and the prefix
+    # cache; None derives it from the device at load (see engine/memory.py).
+    kv_memory_bytes: int | None = None
+    # Tokens of growth a request must have room for to be admitted.
+    kv_reserve_tokens: int = 64
+    # Fail a request that runs longer than this (None: no limit).
+    request_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
+            raise ValueError("kv_memory_bytes must be positive")
+        if self.kv_reserve_tokens < 0:
+            raise ValueError("kv_reserve_tokens must be >= 0")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError("request_timeout_s must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_prefill_tokens < 1:
@@ -61,8 +74,11 @@ class ServerConfig:
     keepalive_interval_s: float = 10.0
     # Responses kept in memory for `previous_response_id` (LRU); 0 keeps none.
     responses_store: int = 256
+    exit_on_engine_failure: bool = True
 
     def __post_init__(self) -> None:
+        if not self.keepalive_interval_s > 0:
+            raise ValueError("keepalive_interval_s must be positive")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if not self.keepalive_interval_s > 0:

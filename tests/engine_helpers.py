@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,3 +49,65 @@ def run_requests(
             await engine.shutdown()
 
     return asyncio.run(main())
+
+
+class ModelWrapper:
+    """Wraps a model adapter; `check(inputs)` runs before every model call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def check(self, inputs: Any) -> None:
+        raise NotImplementedError
+
+    def __call__(self, inputs: Any, cache: Any = None) -> Any:
+        self.check(inputs)
+        return self.inner(inputs, cache)
+
+    def last_logits(self, inputs: Any, cache: Any = None) -> Any:
+        self.check(inputs)
+        return self.inner.last_logits(inputs, cache)
+
+
+class SlowModel(ModelWrapper):
+    """Sleeps `delay_s` before each model call once armed (prefill only, if asked)."""
+
+    def __init__(self, inner: Any, delay_s: float, prefill_only: bool = False) -> None:
+        super().__init__(inner)
+        self.delay_s = delay_s
+        self.prefill_only = prefill_only
+        self.armed = False
+
+    def check(self, inputs: Any) -> None:
+        if self.armed and (not self.prefill_only or inputs.shape[1] > 1):
+            time.sleep(self.delay_s)
+
+
+class EngineKill(BaseException):
+    """Not an Exception: nothing in the engine catches it, so its thread ends."""
+
+
+class KillSwitch(ModelWrapper):
+    """Kills the engine thread at the first model call after `armed` is set."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = threading.Event()
+
+    def check(self, inputs: Any) -> None:
+        if self.armed.is_set():
+            raise EngineKill("the engine thread was killed by a test")
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    """Poll `predicate` until it holds or `timeout` passes (a deadline, not a speed check)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def idle(engine: AsyncEngine) -> bool:
+    return not any(engine.open_requests().values())

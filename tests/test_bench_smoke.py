@@ -42,3 +42,16 @@ def test_bench_structured_reports_its_keys(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())["figures"]
     for key in ("constrained_over_free_1", "constrained_over_free_8", "mask_ms_p99"):
         assert figures[key] > 0
+
+
+def test_bench_memory_reports_its_keys(tmp_path: Path, model_dir_factory, capsys) -> None:
+    out = tmp_path / "memory.json"
+    model = str(model_dir_factory("llama"))
+    args = ["bench", "memory", "--model", model, "--requests", "5", "--prompt-tokens", "16"]
+    assert cli_main([*args, "--max-tokens", "4", "--json", str(out)]) == 0
+    printed = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    for key in ("peak_cache_bytes", "budget_bytes", "preemptions", "completed"):
+        assert key in printed
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["completed"] == 5 and figures["greedy_identical"] == 5
+    assert 0 < figures["peak_cache_bytes"] <= figures["budget_bytes"]

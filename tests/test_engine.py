@@ -256,19 +256,3 @@ def test_engine_survives_a_failing_step(model_dir_factory, monkeypatch) -> None:
     assert bad[-1].finish_reason == "error"
     assert "broken lookup" in (bad[-1].error or "")
     assert len(tokens_of(good)) == 3
-
-
-def test_kv_bytes_counts_each_cache_array_once() -> None:
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.models.cache import KVCache
-
-    from mlxserve.engine.runner import _nbytes
-
-    cache = KVCache()
-    kv = mx.zeros((1, 2, 4, 8))
-    cache.update_and_fetch(kv, kv)
-    one = int(cache.keys.nbytes + cache.values.nbytes)
-    assert one > 0
-    assert _nbytes([cache, cache], set()) == one
-    assert _nbytes({"a": [cache], "m": nn.Linear(4, 4)}, set()) == one

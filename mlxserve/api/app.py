@@ -30,15 +30,16 @@ def create_app(state: ServerState, start_engine: bool = True) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        progress: asyncio.Task[None] | None = None
+        tasks: list[asyncio.Task[None]] = []
         if start_engine:
             state.engine.start()
-            progress = asyncio.create_task(report_loading(state))
+            tasks.append(asyncio.create_task(report_loading(state)))
+            tasks.append(asyncio.create_task(watch_engine(state)))
         try:
             yield
         finally:
-            if progress is not None:
-                progress.cancel()
+            for task in tasks:
+                task.cancel()
             await state.engine.shutdown()
 
     app = FastAPI(title="mlxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -73,6 +74,15 @@ async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
         logger.error("the model failed to load: %s", state.engine.load_error)
     else:
         logger.info("model ready in %.1f s", time.monotonic() - start)
+
+
+async def watch_engine(state: ServerState, every_s: float = 0.2) -> None:
+    """Report the engine thread's death once (`/health` says 503 from then on)."""
+    while state.engine.failure is None:
+        await asyncio.sleep(every_s)
+    logger.critical("the engine thread died: %s", state.engine.failure)
+    if state.on_engine_failure is not None:
+        state.on_engine_failure(state.engine.failure)
 
 
 async def _generate(state: ServerState, request: Request, kind: str, handler: Handler) -> Response:
@@ -148,6 +158,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def _health() -> JSONResponse:
+        failure = state.engine.failure
+        if failure is not None:
+            failed = {"status": "error", "error": f"the engine failed: {failure}"}
+            return JSONResponse(failed, status_code=503)
         error = state.engine.load_error
         if error is not None:
             return JSONResponse({"status": "error", "error": error}, status_code=503)

@@ -11,12 +11,13 @@ non-streaming: a watcher on the ASGI receive channel).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 from fastapi import Request
@@ -27,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from mlxserve.api.detok import CONTEXT_TOKENS
 from mlxserve.api.errors import APIError, error_body
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.keepalive import SSE_COMMENT, with_keepalive
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
 from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from mlxserve.api.state import ServerState
@@ -139,9 +141,13 @@ class GenerationRun:
         return now
 
     def abort_if_running(self) -> None:
+        """Tell the engine we are done: a matched stop string is a normal stop, else abort."""
         if not self.engine_finished and not self._aborted:
             self._aborted = True
-            self.state.engine.abort(self.meta.id)
+            if self.pipeline.stopped_by_string:
+                self.state.engine.finish(self.meta.id)
+            else:
+                self.state.engine.abort(self.meta.id)
 
     async def _close(self) -> None:
         self.abort_if_running()
@@ -161,17 +167,25 @@ class GenerationRun:
         if meta.kind == "chat":
             yield sse(chat_role_chunk(meta))
         offset = 0
+        interval = self.state.config.keepalive_interval_s
         try:
-            async for delta in self.deltas():
-                if meta.kind == "chat":
-                    chunk = chat_delta_chunk(meta, delta)
-                else:
-                    chunk = text_delta_chunk(meta, delta, offset)
-                    offset += len(delta.content)
-                if chunk is not None:
-                    yield sse(chunk)
-                if delta.finish_reason is not None:
-                    yield sse(finish_chunk(meta, delta.finish_reason))
+            # Keep-alive comments while nothing comes (a long prefill), so proxies stay open.
+            ticking = with_keepalive(self.deltas(), interval)
+            closing = cast(AsyncGenerator[OutputDelta | None, None], ticking)
+            async with contextlib.aclosing(closing) as deltas:
+                async for delta in deltas:
+                    if delta is None:
+                        yield SSE_COMMENT
+                        continue
+                    if meta.kind == "chat":
+                        chunk = chat_delta_chunk(meta, delta)
+                    else:
+                        chunk = text_delta_chunk(meta, delta, offset)
+                        offset += len(delta.content)
+                    if chunk is not None:
+                        yield sse(chunk)
+                    if delta.finish_reason is not None:
+                        yield sse(finish_chunk(meta, delta.finish_reason))
         except EngineRequestFailed as e:
             yield sse(error_body(str(e), "server_error", code="generation_failed"))
         if meta.include_usage:

@@ -30,6 +30,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_cache_entries=args.prefix_cache_entries,
+        kv_memory_bytes=args.kv_memory_bytes,
+        request_timeout_s=args.request_timeout,
     )
 
 
@@ -46,6 +48,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         keepalive_interval_s=args.keepalive_interval,
         responses_store=args.responses_store,
+        exit_on_engine_failure=args.exit_on_engine_failure,
     )
 
 
@@ -115,15 +118,25 @@ def run(args: argparse.Namespace) -> int:
         logger.warning(
             "listening on %s without --api-key: anyone on the network can use it", args.host
         )
+    logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
+    return serve_app(app, state, args.host, args.port, str(args.log_level).lower())
+
+
+def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level: str) -> int:
+    """Run uvicorn until it stops; 1 if the engine thread died (with
+    `--exit-on-engine-failure` that ends the server at once, for a supervisor)."""
     import uvicorn
 
-    logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
     config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=str(args.log_level).lower(),
-        timeout_graceful_shutdown=5,
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+
+    def on_engine_failure(reason: str) -> None:
+        if state.config.exit_on_engine_failure:
+            logger.critical("exiting: the engine failed (%s)", reason)
+            server.should_exit = True
+
+    state.on_engine_failure = on_engine_failure
+    server.run()
+    return 1 if state.engine.failure is not None else 0

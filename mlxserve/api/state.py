@@ -49,6 +49,9 @@ class EngineLike(Protocol):
     def load_error(self) -> str | None: ...
 
     @property
+    def failure(self) -> str | None: ...
+
+    @property
     def model(self) -> LoadedModel: ...
 
     def start(self) -> None: ...
@@ -58,6 +61,8 @@ class EngineLike(Protocol):
     ) -> AsyncIterator[TokenEvent]: ...
 
     def abort(self, request_id: str) -> None: ...
+
+    def finish(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
 
@@ -79,12 +84,16 @@ class ServerState:
     strict_model_name: bool = False
     # How far the model load has got (/health reports it while loading).
     load_progress: LoadProgress | None = None
+    # Called once with the reason when the engine thread dies (`serve` ends the process).
+    on_engine_failure: Callable[[str], None] | None = None
     _parsers: ParserSpec | None = None
     _context_limit: int | None = None
     _names_seen: set[str] = field(default_factory=set)
 
     def require_model(self) -> LoadedModel:
-        """The loaded model, or 503 while it loads (or failed to load)."""
+        """The loaded model, or 503 while it loads (or failed to load, or the engine died)."""
+        if self.engine.failure is not None:
+            raise APIError(503, f"the engine failed: {self.engine.failure}", code="engine_failed")
         if self.engine.load_error is not None:
             raise APIError(503, f"model failed to load: {self.engine.load_error}")
         if not self.engine.ready:

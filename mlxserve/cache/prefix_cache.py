@@ -342,6 +342,22 @@ class PrefixCache:
                 self._evictions += 1
         return True
 
+    def set_limit(self, max_bytes: int) -> int:
+        """Change the byte budget, evicting LRU entries to fit; returns the bytes freed.
+
+        The engine shrinks the prefix cache this way before running caches
+        would push the shared KV budget over (DESIGN.md rule 9).
+        """
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        with self._lock:
+            self.max_bytes = max_bytes
+            before = self._bytes
+            while self._bytes > self.max_bytes and self._lru:
+                self._drop(next(iter(self._lru)))
+                self._evictions += 1
+            return before - self._bytes
+
     def _drop(self, node: _Node) -> None:
         entry = self._lru.pop(node)
         self._bytes -= entry.nbytes

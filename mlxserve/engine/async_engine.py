@@ -1,7 +1,12 @@
 """AsyncEngine: the asyncio face of EngineCore.
 
 Events cross from the engine thread with `loop.call_soon_threadsafe`, one call
-per step; the event loop never waits on MLX.
+per phase of a step; the event loop never waits on MLX.
+
+A request's queue leaves `_queues` when its finish event is dispatched (or its
+stream ends), so a client gone before its stream started leaves nothing
+behind. If the engine thread dies, every open stream gets an error at once and
+later submits are refused (`failure` says why).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
+from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.request import (
     EngineNotReady,
     EngineOverloaded,
@@ -28,11 +34,22 @@ from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
 
+# A stream waits this long past --request-timeout for the engine's own timeout
+# error before it gives up on the engine (a step that never returns).
+STREAM_GRACE_S = 2.0
+
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, loader: Callable[[], LoadedModel]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loader: Callable[[], LoadedModel],
+        fault: FaultHook | None = None,
+    ) -> None:
         self.config = config
-        self._core = EngineCore(config, loader, self._emit_from_engine)
+        self._core = EngineCore(
+            config, loader, self._emit_from_engine, fault=fault, on_death=self._engine_died
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}
 
@@ -52,7 +69,13 @@ class AsyncEngine:
 
     @property
     def ready(self) -> bool:
-        return self._core.ready.is_set() and self._core.load_error is None
+        core = self._core
+        return core.ready.is_set() and core.load_error is None and core.failure is None
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine thread ended, if it ended for any reason but a shutdown."""
+        return self._core.failure
 
     @property
     def load_error(self) -> str | None:
@@ -77,6 +100,8 @@ class AsyncEngine:
         Raises EngineOverloaded when the waiting queue is full and ValueError for
         a prompt the engine cannot take. Leaving the iterator early aborts.
         """
+        if self._core.failure is not None:
+            raise EngineNotReady(f"the engine failed: {self._core.failure}")
         model = self.model
         self._validate(prompt_ids, params, model)
         if self._num_waiting() >= self.config.max_waiting:
@@ -90,7 +115,7 @@ class AsyncEngine:
         self._queues[request_id] = events
         request = Request(request_id, list(prompt_ids), params, time.monotonic())
         self._core.add(request)
-        return self._stream(request_id, events)
+        return self._stream(request_id, events, request.arrival_time)
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, model: LoadedModel) -> None:
         if not prompt_ids:
@@ -104,12 +129,21 @@ class AsyncEngine:
             )
 
     async def _stream(
-        self, request_id: str, events: asyncio.Queue[TokenEvent]
+        self, request_id: str, events: asyncio.Queue[TokenEvent], arrival: float
     ) -> AsyncIterator[TokenEvent]:
         finished = False
+        timeout = self.config.request_timeout_s
+        deadline = None if timeout is None else arrival + timeout + STREAM_GRACE_S
         try:
             while True:
-                event = await events.get()
+                if deadline is None:
+                    event = await events.get()
+                else:
+                    try:
+                        event = await asyncio.wait_for(events.get(), deadline - time.monotonic())
+                    except TimeoutError:
+                        yield self._timed_out(request_id, timeout)
+                        return
                 if event.finished:
                     finished = True
                 yield event
@@ -120,9 +154,23 @@ class AsyncEngine:
             if not finished:
                 self._core.abort(request_id)
 
+    @staticmethod
+    def _timed_out(request_id: str, timeout: float | None) -> TokenEvent:
+        logger.warning("request %s got no finish from the engine in time", request_id)
+        return TokenEvent(
+            request_id,
+            None,
+            finish_reason="error",
+            error=f"the request timed out after {timeout:g} s (the engine did not answer)",
+        )
+
     def abort(self, request_id: str) -> None:
         """Thread-safe and non-blocking; the engine drops the request at its next step."""
         self._core.abort(request_id)
+
+    def finish(self, request_id: str) -> None:
+        """End a request as a normal `stop` (a stop string matched); thread-safe."""
+        self._core.finish(request_id)
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         scheduler = self._core.scheduler
@@ -142,24 +190,69 @@ class AsyncEngine:
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for event in events:
-            target = self._queues.get(event.request_id)
+            if event.finished:
+                target = self._queues.pop(event.request_id, None)
+            else:
+                target = self._queues.get(event.request_id)
             if target is not None:
                 target.put_nowait(event)
 
+    def _engine_died(self, reason: str) -> None:
+        """On the engine thread, as it ends: fail every open stream on the event loop."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._fail_all, reason)
+        except RuntimeError:
+            logger.debug("event loop closed; the engine died: %s", reason)
+
+    def _fail_all(self, reason: str) -> None:
+        queues, self._queues = self._queues, {}
+        for request_id, target in queues.items():
+            target.put_nowait(
+                TokenEvent(
+                    request_id, None, finish_reason="error", error=f"the engine failed: {reason}"
+                )
+            )
+
     # -- introspection ------------------------------------------------------
     def _num_waiting(self) -> int:
+        """Requests queued for a slot (queued abort commands are not requests)."""
         scheduler = self._core.scheduler
         waiting = scheduler.num_waiting if scheduler is not None else 0
-        return waiting + self._core.inbox_size
+        return waiting + self._core.pending_adds
+
+    def open_requests(self) -> dict[str, int]:
+        """How much per-request state the engine holds now (all zero when idle)."""
+        core = self._core
+        scheduler, runner = core.scheduler, core.runner
+        return {
+            "streams": len(self._queues),
+            "pending": core.pending_adds,
+            "known": len(scheduler.by_id) if scheduler else 0,
+            "waiting": len(scheduler.waiting) if scheduler else 0,
+            "running": len(scheduler.running) if scheduler else 0,
+            "caches": len(runner.caches) if runner else 0,
+            "samplers": len(runner.samplers) if runner else 0,
+            "batch_rows": len(runner.batch.request_ids) if runner else 0,
+        }
 
     def stats(self) -> dict[str, Any]:
-        scheduler = self._core.scheduler
+        core = self._core
+        scheduler = core.scheduler
+        memory = core.memory
         stats: dict[str, Any] = {
             "ready": self.ready,
+            "alive": core.failure is None and core.load_error is None,
+            "failure": core.failure,
             "running": scheduler.num_running if scheduler else 0,
             "waiting": self._num_waiting(),
-            "steps": self._core.steps,
-            "kv_cache_bytes": self._core.kv_bytes,
+            "steps": core.steps,
+            "kv_budget_bytes": memory.budget_bytes if memory else None,
+            "cache_bytes": core.cache_bytes,
+            "peak_cache_bytes": core.peak_cache_bytes,
+            "kv_cache_bytes": core.kv_bytes,
         }
         if scheduler is not None:
             stats.update(asdict(scheduler.counters))

@@ -3,6 +3,11 @@
 MLX streams live in the thread that created them, so the thread that loads the
 model is the thread that steps it, for the life of the process. The loop is
 three named phases: schedule -> run -> update.
+
+No request is ever left waiting (DESIGN.md rules 2 and 8): events leave after
+every phase, a phase that raises fails exactly the requests it touched, and
+if the thread ends for any reason but a stop, `on_death` is told so that the
+caller can fail every open request and report the engine as dead.
 """
 
 from __future__ import annotations
@@ -13,9 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
+
+import mlx.core as mx
 
 from mlxserve.config import EngineConfig
+from mlxserve.engine import faults
+from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
+from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
@@ -27,6 +38,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -37,6 +49,7 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+    status: RequestStatus = RequestStatus.FINISHED_ABORTED
 
 
 class _Stop:
@@ -46,36 +59,60 @@ class _Stop:
 EmitFn = Callable[[list[TokenEvent]], None]
 
 
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
 class EngineCore:
-    """Owns the model thread. `emit` receives each step's events (on the engine thread)."""
+    """Owns the model thread. `emit` receives events (on the engine thread) as phases end."""
 
     def __init__(
-        self, config: EngineConfig, loader: Callable[[], LoadedModel], emit: EmitFn
+        self,
+        config: EngineConfig,
+        loader: Callable[[], LoadedModel],
+        emit: EmitFn,
+        fault: FaultHook | None = None,
+        on_death: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._loader = loader
         self._emit = emit
+        self._fault = fault
+        self._on_death = on_death
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="mlxserve-engine", daemon=True)
+        self._count_lock = threading.Lock()
+        self._pending_adds = 0
         self.ready = threading.Event()
         self.load_error: str | None = None
+        # Why the engine thread ended, when it ended for any reason but a stop.
+        self.failure: str | None = None
         self.model: LoadedModel | None = None
         self.scheduler: Scheduler | None = None
         self.runner: Runner | None = None
         self.prefix_cache: PrefixCache | None = None
+        self.memory: KVBudget | None = None
         self.steps = 0
         # KV cache bytes of the requests in flight, after the last step (engine thread).
         self.kv_bytes = 0
+        self.cache_bytes = 0
+        self.peak_cache_bytes = 0
 
     # -- called from other threads -----------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     def add(self, request: Request) -> None:
+        with self._count_lock:
+            self._pending_adds += 1
         self._inbox.put(_Add(request))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
+
+    def finish(self, request_id: str) -> None:
+        """End a request as a normal stop (the caller matched a stop string)."""
+        self._inbox.put(_Abort(request_id, RequestStatus.FINISHED_STOPPED))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(_Stop())
@@ -83,8 +120,13 @@ class EngineCore:
             self._thread.join(timeout)
 
     @property
-    def inbox_size(self) -> int:
-        return self._inbox.qsize()
+    def pending_adds(self) -> int:
+        """Requests submitted that the engine thread has not taken in yet."""
+        return self._pending_adds
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     # -- the engine thread --------------------------------------------------
     def _main(self) -> None:
@@ -92,12 +134,22 @@ class EngineCore:
             self._load()
         except Exception as e:  # the load error is reported through /health
             logger.exception("model load failed")
-            self.load_error = f"{type(e).__name__}: {e}"
+            self.load_error = _describe(e)
             self.ready.set()
             self._drain_after_failure()
             return
         self.ready.set()
-        self._loop()
+        stopped = False
+        reason = "the engine thread ended"
+        try:
+            self._loop()
+            stopped = True
+        except BaseException as e:  # any end but a stop is reported (below)
+            reason = _describe(e)
+            logger.critical("the engine thread died: %s", reason, exc_info=True)
+        finally:
+            if not stopped:
+                self._die(reason)
 
     def _load(self) -> None:
         started = time.monotonic()
@@ -109,9 +161,38 @@ class EngineCore:
             self.prefix_cache = PrefixCache(
                 self.config.prefix_cache_budget, self.config.prefix_cache_entries
             )
-        self.scheduler = Scheduler(self.config, model.eos_token_ids, self.prefix_cache)
-        self.runner = Runner(model)
+        self.runner = Runner(model, self._fault)
+        self.memory = self._measure_memory(model, self.runner)
+        self.scheduler = Scheduler(
+            self.config, model.eos_token_ids, self.prefix_cache, self.memory, self._fault
+        )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
+
+    def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget | None:
+        """The KV byte budget and this model's measured cache cost (None if it cannot be probed)."""
+        try:
+            cost = runner.probe_cost()
+        except Exception:  # a model the probe cannot drive is served without a KV budget
+            logger.warning("could not measure the KV cache size; no KV budget", exc_info=True)
+            return None
+        finally:
+            mx.clear_cache()
+        budget = self.config.kv_memory_bytes
+        source = "--kv-memory-bytes"
+        if budget is None:
+            weights = weights_nbytes(getattr(model.model, "module", model.model))
+            budget = default_kv_budget(weights)
+            source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
+        logger.info(
+            "KV memory budget %d bytes (%.2f GiB, %s); a request's cache costs "
+            "%d + %.0f bytes per token",
+            budget,
+            budget / 2**30,
+            source,
+            cost.fixed_bytes,
+            cost.bytes_per_token,
+        )
+        return KVBudget(budget, cost, runner.batchable)
 
     def _loop(self) -> None:
         scheduler, runner = self.scheduler, self.runner
@@ -120,81 +201,132 @@ class EngineCore:
             idle = not scheduler.running and not scheduler.waiting
             if not self._handle_commands(block=idle):
                 return
-            try:
-                events = self._step(scheduler, runner)
-            except Exception as e:  # a failing step fails its requests, not the engine
-                logger.exception("engine step failed; failing the running requests")
-                events = self._fail_running(f"{type(e).__name__}: {e}")
-            if events:
-                self._emit(events)
+            self._step(scheduler, runner)
 
-    def _step(self, scheduler: Scheduler, runner: Runner) -> list[TokenEvent]:
-        """One step in two phases; returns the second phase's events.
+    def _step(self, scheduler: Scheduler, runner: Runner) -> None:
+        """One step: phase one decodes and finishes short prompts, phase two feeds
+        the partial chunks of long prompts, then finished requests are freed.
 
-        Phase one decodes and finishes short prompts; its tokens go out before
-        phase two feeds the partial chunks of long prompts, so streaming clients
-        do not wait for a long prefill chunk to see their next token.
+        Each phase's events go out as soon as it ends, so streaming clients do not
+        wait for a long prefill chunk, and an error in a later phase loses none.
         """
-        plan = scheduler.schedule()
+        plan = self._guarded(
+            lambda: self._schedule(scheduler),
+            lambda: [r.request_id for r in [*scheduler.running, *scheduler.waiting]],
+        )
+        if plan is None:
+            return
         if plan.has_work:
             self.steps += 1
         first, second = plan.split_partial_prefills()
-        events = scheduler.update(runner.run(first))
+        self._run_phase(first)
         if second.has_work:
-            if events:
-                self._emit(events)
-            events = scheduler.update(runner.run(second))
+            self._run_phase(second)
         # Free finished requests now, so their `prompt + output` snapshots are in
         # the prefix cache before the next request is admitted.
         released = scheduler.take_released()
         if released.released:
-            scheduler.update(runner.run(released))
-        if plan.has_work or released.released:
-            self.kv_bytes = runner.kv_bytes()
-        return events
+            self._run_phase(released)
+        self._measure(scheduler, runner)
 
-    def _fail_running(self, message: str) -> list[TokenEvent]:
+    def _schedule(self, scheduler: Scheduler) -> StepPlan:
+        if self._fault is not None:
+            self._fault(faults.SCHEDULE, [r.request_id for r in scheduler.running])
+        return scheduler.schedule()
+
+    def _run_phase(self, plan: StepPlan) -> None:
         scheduler, runner = self.scheduler, self.runner
         assert scheduler is not None and runner is not None
-        events: list[TokenEvent] = []
-        failed = [request.request_id for request in scheduler.running]
-        for request_id in failed:
-            events.extend(scheduler.fail(request_id, message))
-        runner.release(failed)
-        return events
+        self._guarded(lambda: scheduler.update(runner.run(plan)), lambda: plan.request_ids)
+
+    def _guarded(self, work: Callable[[], T], touched: Callable[[], list[str]]) -> T | None:
+        """Run one phase; if it raises, fail the requests it touched. Emit what it produced."""
+        try:
+            return work()
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("engine step failed; failing the requests it touched")
+            self._recover(touched(), _describe(e))
+            return None
+        finally:
+            self._flush()
+
+    def _recover(self, request_ids: list[str], message: str) -> None:
+        """Fail these requests and free their state; if that fails too, reset the runner."""
+        scheduler, runner = self.scheduler, self.runner
+        assert scheduler is not None and runner is not None
+        if self._fault is not None:
+            self._fault(faults.RECOVER, request_ids)
+        for request_id in request_ids:
+            scheduler.fail(request_id, message)
+        try:
+            runner.release(request_ids)
+        except Exception:  # the batch may be inconsistent now: start from a clean runner
+            logger.exception("freeing the failed requests failed; resetting the runner")
+            scheduler.fail_all(message)
+            runner.reset()
+        mx.clear_cache()
+
+    def _flush(self) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        events = scheduler.take_events()
+        if events:
+            self._emit(events)
+
+    def _measure(self, scheduler: Scheduler, runner: Runner) -> None:
+        """What the caches hold now: live caches, pending hit copies and the prefix cache."""
+        held = runner.live_bytes()
+        self.kv_bytes = held
+        pending = [r.cache for r in scheduler.running if r.cache is not None]
+        if pending:
+            held += live_nbytes(pending)
+        if self.prefix_cache is not None:
+            held += self.prefix_cache.nbytes
+        self.cache_bytes = held
+        self.peak_cache_bytes = max(self.peak_cache_bytes, held)
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""
         scheduler = self.scheduler
         assert scheduler is not None
-        events: list[TokenEvent] = []
         try:
             command = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
-        while True:
-            if isinstance(command, _Stop):
-                self._abort_all(events)
-                if events:
-                    self._emit(events)
-                return False
-            if isinstance(command, _Add):
-                scheduler.add(command.request)
-            else:
-                events.extend(scheduler.abort(command.request_id))
-            try:
-                command = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-        if events:
-            self._emit(events)
-        return True
+        try:
+            while True:
+                if isinstance(command, _Stop):
+                    for request in [*scheduler.waiting, *scheduler.running]:
+                        scheduler.abort(request.request_id)
+                    return False
+                if isinstance(command, _Add):
+                    with self._count_lock:
+                        self._pending_adds -= 1
+                    scheduler.add(command.request)
+                else:
+                    scheduler.abort(command.request_id, command.status)
+                try:
+                    command = self._inbox.get_nowait()
+                except queue.Empty:
+                    return True
+        finally:
+            self._flush()
 
-    def _abort_all(self, events: list[TokenEvent]) -> None:
-        scheduler = self.scheduler
-        assert scheduler is not None
-        for request in list(scheduler.waiting) + list(scheduler.running):
-            events.extend(scheduler.abort(request.request_id))
+    def _die(self, reason: str) -> None:
+        """The loop ended without a stop: fail every request it knew, tell the owner."""
+        self.failure = reason
+        message = f"the engine failed: {reason}"
+        try:
+            if self.scheduler is not None:
+                self.scheduler.fail_all(message)
+            if self.runner is not None:
+                self.runner.reset()  # free the caches before the clients hear
+            if self.scheduler is not None:
+                self._flush()
+        except Exception:  # the owner's on_death still fails every open request
+            logger.exception("failing the open requests of a dead engine failed")
+        if self._on_death is not None:
+            self._on_death(reason)
 
     def _drain_after_failure(self) -> None:
         """Without a model, answer every request with the load error until stopped."""
@@ -203,6 +335,8 @@ class EngineCore:
             if isinstance(command, _Stop):
                 return
             if isinstance(command, _Add):
+                with self._count_lock:
+                    self._pending_adds -= 1
                 request = command.request
                 request.status = RequestStatus.FINISHED_ERROR
                 self._emit(

@@ -24,7 +24,7 @@ class PrefillChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.end == self.request.num_prompt
+        return self.end == self.request.num_fill
 
 
 @dataclass
@@ -36,10 +36,20 @@ class StepPlan:
     # Of those, (request id, tokens its cache holds) to snapshot first: finished
     # requests on trimmable caches leave a `prompt + output` prefix-cache entry.
     completed: list[tuple[str, list[int]]] = field(default_factory=list)
+    # Requests preempted for memory: drop their caches (they are prefilled again later).
+    preempted: list[str] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:
         return bool(self.prefills or self.decodes)
+
+    @property
+    def request_ids(self) -> list[str]:
+        """Every request this plan touches."""
+        ids = [c.request.request_id for c in self.prefills]
+        ids += [r.request_id for r in self.decodes]
+        ids += [rid for rid, _ in self.completed]
+        return list(dict.fromkeys(ids + self.released + self.preempted))
 
     def split_partial_prefills(self) -> tuple[StepPlan, StepPlan]:
         """(everything that yields tokens now, the chunks that leave a prompt unfinished)."""
@@ -47,7 +57,7 @@ class StepPlan:
         if not partial:
             return self, StepPlan()
         finishing = [chunk for chunk in self.prefills if chunk.is_last]
-        first = StepPlan(finishing, self.decodes, self.released, self.completed)
+        first = StepPlan(finishing, self.decodes, self.released, self.completed, self.preempted)
         return first, StepPlan(prefills=partial)
 
 

@@ -153,11 +153,30 @@ class Request:
     error: str | None = None
     first_token_time: float | None = None
     sampler_state: Any = None
+    # After a preemption the cache is rebuilt from prompt + output (None: the prompt).
+    fill_ids: list[int] | None = None
+    preemptions: int = 0
 
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
 
     @property
+    def context_ids(self) -> list[int]:
+        """The tokens prefill feeds: the prompt, or prompt + output after a preemption."""
+        return self.prompt_ids if self.fill_ids is None else self.fill_ids
+
+    @property
+    def num_fill(self) -> int:
+        return len(self.context_ids)
+
+    @property
     def prefill_remaining(self) -> int:
-        return self.num_prompt - self.num_computed
+        return self.num_fill - self.num_computed
+
+    @property
+    def cached_len(self) -> int:
+        """Tokens this request's cache holds once the next step has run."""
+        if self.status == RequestStatus.RUNNING:
+            return self.num_prompt + len(self.output_ids)
+        return self.num_fill

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
+from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
+from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.memory import CacheCost, fit_cost, live_nbytes, probe_lengths
 from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
@@ -36,6 +38,9 @@ logger = logging.getLogger(__name__)
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
+
+# Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
+PROBE_DECODE_STEPS = 4
 
 # mlx-lm cache classes with a batched form of their own.
 _LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
@@ -87,28 +92,10 @@ class DecodeBatch:
             layer.filter(keep)
 
 
-def _nbytes(value: Any, seen: set[int], depth: int = 0) -> int:
-    """Bytes of the mx arrays in a cache structure: lists, dicts and cache objects."""
-    if isinstance(value, mx.array):
-        if id(value) in seen:
-            return 0
-        seen.add(id(value))
-        return int(value.nbytes)
-    if depth > 4 or isinstance(value, nn.Module):  # a module's weights are no KV
-        return 0
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v, seen, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return sum(_nbytes(v, seen, depth + 1) for v in value.values())
-    fields = getattr(value, "__dict__", None)
-    if isinstance(fields, dict):
-        return sum(_nbytes(v, seen, depth + 1) for v in fields.values())
-    return 0
-
-
 class Runner:
-    def __init__(self, model: LoadedModel) -> None:
+    def __init__(self, model: LoadedModel, fault: FaultHook | None = None) -> None:
         self.model = model
+        self.fault = fault
         probe = model.make_cache()
         # batchable: running requests decode as one batch over merged caches.
         self.batchable = bool(probe) and all(_mergeable(layer) for layer in probe)
@@ -129,25 +116,84 @@ class Runner:
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
+    def _check(self, phase: str, request_ids: list[str]) -> None:
+        if self.fault is not None:
+            self.fault(phase, request_ids)
+
     # -- lifecycle ----------------------------------------------------------
     def release(self, request_ids: list[str]) -> None:
         if not request_ids:
             return
         gone = set(request_ids)
-        self.batch.remove(gone)
-        for request_id in gone:
-            self.caches.pop(request_id, None)
-            self.samplers.pop(request_id, None)
+        try:
+            self._check(faults.RELEASE, request_ids)
+            self.batch.remove(gone)
+        finally:
+            for request_id in gone:
+                self.caches.pop(request_id, None)
+                self.samplers.pop(request_id, None)
 
-    def kv_bytes(self) -> int:
-        """Bytes of the arrays in the caches of the requests in flight (each array once)."""
-        seen: set[int] = set()
-        return _nbytes(self.batch.cache, seen) + _nbytes(list(self.caches.values()), seen)
+    def preempt(self, request_ids: list[str]) -> None:
+        """Drop these requests' caches but keep their samplers (they resume later)."""
+        if not request_ids:
+            return
+        self.batch.remove(set(request_ids))
+        for request_id in request_ids:
+            self.caches.pop(request_id, None)
+
+    def reset(self) -> None:
+        """Forget every request (after a failure left the batch in an unknown state)."""
+        self.caches.clear()
+        self.samplers.clear()
+        self.batch = DecodeBatch()
+        mx.clear_cache()
+
+    def live_bytes(self) -> int:
+        """Bytes the live caches hold now (decode batch and per-request caches)."""
+        return live_nbytes([self.batch.cache, *self.caches.values()])
+
+    def probe_cost(self) -> CacheCost:
+        """Measure one request's cache bytes against its tokens on this model.
+
+        Fills fresh caches to a few lengths by a prefill (a multi-token update
+        may hold more than decoding does, e.g. a whole chunk in a window
+        cache), then decodes a token alone and, when requests decode batched,
+        merged into a batch of one; an upper bound is fitted to every sample.
+        """
+        vocab = max(1, self.model.vocab_size)
+        samples: dict[int, int] = {}
+
+        def sample(tokens: int, cache: list[Any]) -> None:
+            samples[tokens] = max(samples.get(tokens, 0), live_nbytes(cache))
+
+        def feed(tokens: list[int], cache: list[Any]) -> None:
+            inputs = mx.array([tokens], dtype=mx.int32)
+            mx.eval(self.model.model.last_logits(inputs, cache))
+
+        for length in probe_lengths(self.model.config):
+            cache = self.model.make_cache()
+            feed([(i * 31 + 7) % vocab for i in range(length)], cache)
+            sample(length, cache)
+            for step in range(1, PROBE_DECODE_STEPS + 1):
+                feed([step % vocab], cache)
+                sample(length + step, cache)
+            if self.batchable:
+                probe = DecodeBatch()
+                probe.add("probe", cache)
+                length += PROBE_DECODE_STEPS
+                sample(length, probe.cache)
+                for step in range(1, PROBE_DECODE_STEPS // 2 + 1):
+                    feed([step % vocab], probe.cache)
+                    sample(length + step, probe.cache)
+        return fit_cost(samples.items())
 
     def run(self, plan: StepPlan) -> StepResult:
         result = StepResult()
-        self._snapshot_completed(plan.completed, result)
-        self.release(plan.released)
+        try:
+            self._snapshot_completed(plan.completed, result)
+        finally:
+            self.release(plan.released)
+        self.preempt(plan.preempted)
         if plan.decodes:
             self._decode(plan.decodes, result)
         for chunk in plan.prefills:
@@ -163,10 +209,13 @@ class Runner:
             if cache is None:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
+            if rid not in self.samplers:
                 self.samplers[rid] = new_sampler_state(
                     request.params, request.prompt_ids, self.grammar
                 )
-            tokens = mx.array([request.prompt_ids[chunk.start : chunk.end]], dtype=mx.int32)
+            context = request.context_ids
+            tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
+            self._check(faults.FORWARD, [rid])
             logits = self.model.model.last_logits(tokens, cache)
             result.prefill_tokens += chunk.end - chunk.start
             output = RequestOutput(rid)
@@ -175,14 +224,14 @@ class Runner:
             else:
                 mx.eval(logits)
             if chunk.snapshot_after:
-                output.snapshot = self._snapshot(request.prompt_ids[: chunk.end], cache)
+                output.snapshot = self._snapshot(context[: chunk.end], cache, rid)
             if chunk.is_last or output.snapshot is not None:
                 result.outputs.append(output)
             if chunk.is_last and self.batchable:
                 self.batch.add(rid, self.caches.pop(rid))
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
-            self.release([rid])
+            self._forget([rid])
             result.outputs.append(RequestOutput(rid, error=_describe(e)))
 
     def _snapshot_completed(
@@ -198,17 +247,23 @@ class Runner:
         for request_id, key_ids in completed:
             if request_id not in self.batch.request_ids:
                 continue
-            row = self.batch.request_ids.index(request_id)
-            extracted = [layer.extract(row) for layer in self.batch.cache]
-            snapshot = self._snapshot(key_ids, extracted)
+            try:
+                row = self.batch.request_ids.index(request_id)
+                extracted = [layer.extract(row) for layer in self.batch.cache]
+                snapshot = self._snapshot(key_ids, extracted, request_id)
+            except Exception:  # the request has finished already; only its entry is lost
+                logger.exception("snapshot of finished request %s failed", request_id)
+                mx.clear_cache()
+                continue
             if snapshot is not None:
                 result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
 
-    def _snapshot(self, key_ids: list[int], cache: list[Any]) -> Snapshot | None:
+    def _snapshot(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:
         from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache
 
         if not self._snapshots_supported:
             return None
+        self._check(faults.SNAPSHOT, [request_id])
         try:
             return Snapshot(list(key_ids), copy_cache(cache))
         except UnsupportedCacheError as e:
@@ -231,11 +286,12 @@ class Runner:
             if self.batchable and len(requests) != len(self.batch.request_ids):
                 raise RuntimeError("decode batch out of step with the scheduler")
             inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
+            self._check(faults.FORWARD, [r.request_id for r in requests])
             logits = self.model.model.last_logits(inputs, cache)
             rows = self._sample(logits, requests)
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
-            self.release([r.request_id for r in requests])
+            self._forget([r.request_id for r in requests])
             for request in requests:
                 result.outputs.append(RequestOutput(request.request_id, error=_describe(e)))
             return
@@ -243,7 +299,15 @@ class Runner:
         for request, row in zip(requests, rows, strict=True):
             result.outputs.append(RequestOutput(request.request_id, sampled=row))
 
+    def _forget(self, request_ids: list[str]) -> None:
+        """After an error (an allocation failure among them): drop the caches, free memory."""
+        try:
+            self.release(request_ids)
+        finally:
+            mx.clear_cache()
+
     def _sample(self, logits: mx.array, requests: list[Request]) -> list[SampledRow]:
+        self._check(faults.SAMPLE, [r.request_id for r in requests])
         states = [self.samplers[r.request_id] for r in requests]
         params = [r.params for r in requests]
         rows = sample_rows(logits, params, states)

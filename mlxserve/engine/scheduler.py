@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.plan import PrefillChunk, Snapshot, StepPlan, StepResult
+from mlxserve.engine import faults
+from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.memory import KVBudget
+from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.sampling import SampledRow
 
@@ -32,18 +35,35 @@ class SchedulerCounters:
     finished: int = 0
     aborted: int = 0
     errors: int = 0
+    preemptions: int = 0
+    timeouts: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0
     generation_tokens: int = 0
 
 
 class Scheduler:
+    """Queues, admission and finishing. Every event it makes goes to `take_events()`.
+
+    Events are collected in an outbox as each request changes state, so an
+    exception part way through a step loses none of them: the engine drains
+    the outbox after every phase, whether the phase returned or raised.
+    """
+
     def __init__(
-        self, config: EngineConfig, eos_ids: frozenset[int], prefix_cache: PrefixCache | None = None
+        self,
+        config: EngineConfig,
+        eos_ids: frozenset[int],
+        prefix_cache: PrefixCache | None = None,
+        memory: KVBudget | None = None,
+        fault: FaultHook | None = None,
     ) -> None:
         self.config = config
+        self._fault = fault
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
+        self.memory = memory
+        self._prefix_cache_max = prefix_cache.max_bytes if prefix_cache is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -51,6 +71,11 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._released: list[str] = []
         self._completed: list[tuple[str, list[int]]] = []
+        self._outbox: list[TokenEvent] = []
+
+    def take_events(self) -> list[TokenEvent]:
+        events, self._outbox = self._outbox, []
+        return events
 
     # -- intake -------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -58,20 +83,32 @@ class Scheduler:
         self.by_id[request.request_id] = request
         self._remember(request)
 
-    def abort(self, request_id: str) -> list[TokenEvent]:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Finish a request on the caller's word: aborted, or stopped (a stop string matched)."""
         request = self.by_id.get(request_id)
         if request is None or request.status.is_finished:
-            return []
+            return
         if request in self.waiting:
             self.waiting.remove(request)
-        return [self._finish(request, RequestStatus.FINISHED_ABORTED)]
+        self._finish(request, status)
 
-    def fail(self, request_id: str, message: str) -> list[TokenEvent]:
+    def fail(self, request_id: str, message: str) -> None:
         request = self.by_id.get(request_id)
         if request is None or request.status.is_finished:
-            return []
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
         request.error = message
-        return [self._finish(request, RequestStatus.FINISHED_ERROR)]
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+
+    def fail_all(self, message: str) -> list[str]:
+        """Fail every request the scheduler knows; returns their ids."""
+        ids = list(self.by_id)
+        for request_id in ids:
+            self.fail(request_id, message)
+        return ids
 
     # -- planning -----------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -79,30 +116,38 @@ class Scheduler:
 
         Shortest-remaining-first lets a short request that arrives behind a long
         prompt be prefilled in the next step instead of after the whole prefill.
+        Memory comes first: running requests that would outgrow the budget
+        preempt the newest, and a waiting request is admitted only when it fits.
         """
         plan = self.take_released()
+        self._expire()
+        self._preempt_for_memory(plan)
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            self._admit(self.waiting.popleft())
+        self._admit_waiting()
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)
         budget = self.config.max_prefill_tokens
         for request in prefilling:
             if budget <= 0:
                 break
-            start = request.num_computed
-            end = start + min(budget, request.prefill_remaining)
-            branch = request.branch_at
-            if branch is not None and start < branch < end:
-                end = branch
-            snapshot = self.prefix_cache is not None and (
-                end == request.num_prompt or end == branch
-            )
-            plan.prefills.append(PrefillChunk(request, start, end, request.cache, snapshot))
+            chunk = self._next_chunk(request, budget)
+            plan.prefills.append(chunk)
             request.cache = None
-            request.num_computed = end
-            budget -= end - start
+            request.num_computed = chunk.end
+            budget -= chunk.end - chunk.start
+        self._fit_prefix_cache([])
         return plan
+
+    def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
+        start = request.num_computed
+        end = start + min(budget, request.prefill_remaining)
+        # A resumed request also stops at the prompt's end: that is a snapshot point.
+        prompt_end = request.num_prompt if request.fill_ids is not None else None
+        for boundary in (request.branch_at, prompt_end):
+            if boundary is not None and start < boundary < end:
+                end = boundary
+        snapshot = self.prefix_cache is not None and end in (request.num_prompt, request.branch_at)
+        return PrefillChunk(request, start, end, request.cache, snapshot)
 
     def take_released(self) -> StepPlan:
         """A plan that only frees (and snapshots) what finished since the last plan."""
@@ -110,38 +155,141 @@ class Scheduler:
         self._released, self._completed = [], []
         return plan
 
+    def _expire(self) -> None:
+        timeout = self.config.request_timeout_s
+        if timeout is None:
+            return
+        now = time.monotonic()
+        for request in list(self.waiting) + list(self.running):
+            if now - request.arrival_time > timeout:
+                self.counters.timeouts += 1
+                self.fail(request.request_id, f"the request timed out after {timeout:g} s")
+
+    # -- memory ---------------------------------------------------------------
+    def _reserve(self, request: Request) -> int:
+        left = request.params.max_tokens - len(request.output_ids)
+        return max(0, min(self.config.kv_reserve_tokens, left))
+
+    def _lengths(self, reserve: bool) -> list[int]:
+        return [r.cached_len + (self._reserve(r) if reserve else 0) for r in self.running]
+
+    def _preempt_for_memory(self, plan: StepPlan) -> None:
+        memory = self.memory
+        if memory is None:
+            return
+        while self.running and memory.total(self._lengths(False)) > memory.budget_bytes:
+            if len(self.running) == 1:
+                self.fail(self.running[0].request_id, self._no_room_message())
+                return
+            self._preempt(max(self.running, key=lambda r: r.arrival_time), plan)
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Drop a running request's cache; it waits at the head of the queue to resume."""
+        logger.info(
+            "preempting request %s (%d tokens) to stay within the KV budget",
+            request.request_id,
+            request.cached_len,
+        )
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.fill_ids = request.prompt_ids + request.output_ids if request.output_ids else None
+        request.num_computed = 0
+        request.cache = None
+        request.branch_at = None
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+        self._remember(request)
+        plan.preempted.append(request.request_id)
+        self.counters.preemptions += 1
+
+    def _fits(self, request: Request) -> bool:
+        memory = self.memory
+        if memory is None:
+            return True
+        lengths = [*self._lengths(True), request.num_fill + self._reserve(request)]
+        return memory.total(lengths) <= memory.budget_bytes
+
+    def _fit_prefix_cache(self, extra: list[int]) -> None:
+        """Evict prefix-cache entries until it fits beside the running caches."""
+        memory, cache = self.memory, self.prefix_cache
+        if memory is None or cache is None:
+            return
+        room = memory.budget_bytes - memory.total([*self._lengths(False), *extra])
+        cache.set_limit(max(0, min(self._prefix_cache_max, room)))
+
+    def _no_room_message(self) -> str:
+        assert self.memory is not None
+        return (
+            "the request's KV cache does not fit in the memory budget "
+            f"(--kv-memory-bytes {self.memory.budget_bytes})"
+        )
+
+    def _admit_waiting(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            head = self.waiting[0]
+            if not self._fits(head):
+                if self.running:
+                    return  # it waits until running requests free memory
+                assert self.memory is not None
+                if self.memory.total([head.num_fill + 1]) > self.memory.budget_bytes:
+                    self.fail(head.request_id, self._no_room_message())
+                    continue
+            self.waiting.popleft()
+            self._fit_prefix_cache([head.num_fill])
+            try:
+                self._admit(head)
+            except Exception as e:  # a failing admission fails its request, not the step
+                logger.exception("admitting request %s failed", head.request_id)
+                self.fail(head.request_id, f"{type(e).__name__}: {e}")
+
     def _admit(self, request: Request) -> None:
         request.status = RequestStatus.PREFILLING
         self.running.append(request)
         self._remember(request)
-        self.counters.prompt_tokens += request.num_prompt
+        if request.preemptions == 0:
+            self.counters.prompt_tokens += request.num_prompt
+        self._check(faults.ADMIT, request.request_id)
         if self.prefix_cache is None:
             return
-        hit = self.prefix_cache.lookup(request.prompt_ids)
+        context = request.context_ids
+        hit = self.prefix_cache.lookup(context)
         if hit is not None:
             request.num_computed = hit.key_len
-            request.cached_tokens = hit.key_len
+            if request.preemptions == 0:
+                request.cached_tokens = hit.key_len
             request.cache = hit.cache
-        shared = self.prefix_cache.shared_prefix_len(request.prompt_ids)
+        shared = self.prefix_cache.shared_prefix_len(context)
         if request.num_computed + MIN_BRANCH_TOKENS <= shared < request.num_prompt:
             request.branch_at = shared
 
     # -- results ------------------------------------------------------------
-    def update(self, result: StepResult) -> list[TokenEvent]:
-        events: list[TokenEvent] = []
+    def update(self, result: StepResult) -> None:
+        """Apply a step's outputs; one output that cannot be applied fails its request only."""
         self.counters.prefilled_tokens += result.prefill_tokens
         for output in result.outputs:
-            if output.snapshot is not None and self.prefix_cache is not None:
-                self._store(output.snapshot)
-            request = self.by_id.get(output.request_id)
-            if request is None or request.status.is_finished:
-                continue
-            if output.error is not None:
-                request.error = output.error
-                events.append(self._finish(request, RequestStatus.FINISHED_ERROR))
-            elif output.sampled is not None:
-                events.append(self._accept(request, output.sampled))
-        return events
+            try:
+                self._apply(output)
+            except Exception as e:  # a failing update fails its request, not the step
+                logger.exception("applying the output of request %s failed", output.request_id)
+                self.fail(output.request_id, f"{type(e).__name__}: {e}")
+
+    def _check(self, phase: str, request_id: str) -> None:
+        if self._fault is not None:
+            self._fault(phase, [request_id])
+
+    def _apply(self, output: RequestOutput) -> None:
+        self._check(faults.UPDATE, output.request_id)
+        if output.snapshot is not None and self.prefix_cache is not None:
+            self._check(faults.INSERT, output.request_id)
+            self._store(output.snapshot)
+        request = self.by_id.get(output.request_id)
+        if request is None or request.status.is_finished:
+            return
+        if output.error is not None:
+            request.error = output.error
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        elif output.sampled is not None:
+            self._accept(request, output.sampled)
 
     def _store(self, snapshot: Snapshot) -> None:
         assert self.prefix_cache is not None
@@ -151,7 +299,7 @@ class Scheduler:
             # A snapshot whose size disagrees with its key is a bug; serving goes on.
             logger.exception("prefix cache refused a snapshot of %d tokens", len(snapshot.key_ids))
 
-    def _accept(self, request: Request, sampled: SampledRow) -> TokenEvent:
+    def _accept(self, request: Request, sampled: SampledRow) -> None:
         token = sampled.token
         params = request.params
         request.status = RequestStatus.RUNNING
@@ -160,7 +308,8 @@ class Scheduler:
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
         if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:
-            return self._finish(request, RequestStatus.FINISHED_STOPPED)
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            return
         status = None
         total = request.num_prompt + len(request.output_ids)
         if len(request.output_ids) >= params.max_tokens or (
@@ -169,25 +318,27 @@ class Scheduler:
             status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             self._settle(request, status)
-        return self._event(request, token, sampled.logprob, sampled.top_logprobs)
+        self._outbox.append(self._event(request, token, sampled.logprob, sampled.top_logprobs))
 
-    def _finish(self, request: Request, status: RequestStatus) -> TokenEvent:
+    def _finish(self, request: Request, status: RequestStatus) -> None:
         """Finish without a further visible token (stop token, abort, error)."""
         self._settle(request, status)
-        return self._event(request, None, None, None)
+        self._outbox.append(self._event(request, None, None, None))
 
     def _settle(self, request: Request, status: RequestStatus) -> None:
+        decoding = request.status == RequestStatus.RUNNING
         request.status = status
         self._remember(request)
         self.by_id.pop(request.request_id, None)
+        # Always released: a preempted request waits without a cache but keeps its sampler.
+        self._released.append(request.request_id)
         if request in self.running:
             self.running.remove(request)
-            self._released.append(request.request_id)
             finished_normally = status in (
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH,
             )
-            if self.prefix_cache is not None and finished_normally and request.output_ids:
+            if self.prefix_cache is not None and finished_normally and decoding:
                 # The last sampled token was never fed, so the cache holds one fewer.
                 key = request.prompt_ids + request.output_ids[:-1]
                 self._completed.append((request.request_id, key))
