@@ -71,9 +71,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         "--request-timeout", type=float, default=None, help="fail requests running longer (s)"
     )
     p.add_argument(
-        "--keepalive-interval", type=float, default=10.0, help="SSE keep-alive comment period (s)"
-    )
-    p.add_argument(
         "--exit-on-engine-failure",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -77,8 +77,6 @@ class ServerConfig:
     exit_on_engine_failure: bool = True
 
     def __post_init__(self) -> None:
-        if not self.keepalive_interval_s > 0:
-            raise ValueError("keepalive_interval_s must be positive")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if not self.keepalive_interval_s > 0:

@@ -148,13 +148,23 @@ def _assert_limits(url: str, limit: int) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_max_tokens_past_the_context_is_a_400(
-    family: str, loaded_factory: Callable[[str], LoadedModel]
+    family: str, model_dir_factory: Callable[..., Path]
 ) -> None:
-    model = loaded_factory(family)
-    limit = model_context_length(model.config, model.tokenizer)
-    assert limit is not None
+    from mlxserve.models import load
+
+    path = model_dir_factory(family)
+    holder: list[LoadedModel] = []
+
+    def loader() -> LoadedModel:
+        # Loaded on the engine thread: MLX state belongs to the thread that runs the model.
+        holder.append(load(path))
+        return holder[0]
+
     args = serve_args(model=f"tiny-{family}")
-    with ServerThread(args, lambda: model) as server:
+    with ServerThread(args, loader) as server:
+        model = holder[0]
+        limit = model_context_length(model.config, model.tokenizer)
+        assert limit is not None
         _assert_limits(server.url, limit[1])
 
 
@@ -189,10 +199,15 @@ def test_demo_model_limits_and_names(demo_server: ServerThread) -> None:
 
 
 @pytest.mark.slow
-def test_strict_model_name_restores_the_404(loaded_factory: Callable[[str], LoadedModel]) -> None:
-    model = loaded_factory("llama")
+def test_strict_model_name_restores_the_404(model_dir_factory: Callable[..., Path]) -> None:
+    from mlxserve.models import load
+
+    path = model_dir_factory("llama")
     args = serve_args("--served-model-name", "a", "b", "--strict-model-name")
-    with ServerThread(args, lambda: model) as server, httpx.Client(base_url=server.url) as http:
+    with (
+        ServerThread(args, lambda: load(path)) as server,
+        httpx.Client(base_url=server.url) as http,
+    ):
         body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
         for name in ("a", "b"):
             response = http.post("/v1/chat/completions", json={**body, "model": name}, timeout=60)

@@ -57,9 +57,11 @@ def test_progress_bar_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.slow
 def test_health_reports_the_fraction_while_loading(
-    loaded_factory: Callable[[str], LoadedModel],
+    model_dir_factory: Callable[..., Any],
 ) -> None:
-    model = loaded_factory("llama")
+    from mlxserve.models import load
+
+    path = model_dir_factory("llama")
     gate = threading.Event()
     holder: dict[str, Any] = {}
 
@@ -69,7 +71,7 @@ def test_health_reports_the_fraction_while_loading(
         progress.weights(40, 100)
         gate.wait(60)
         progress.enter("ready")
-        return model
+        return load(path)  # on the engine thread, which runs it
 
     server = ServerThread(serve_args(), slow_loader)
     holder["server"] = server
