@@ -10,14 +10,13 @@ import pytest
 from mlxserve.api.anthropic_convert import (
     openai_messages,
     prompt_request,
-    sign_thinking,
-    thinking_from_signature,
     to_generation,
 )
 from mlxserve.api.anthropic_events import MessageEvents, MessageMeta, message_body, stop_reason
 from mlxserve.api.anthropic_protocol import MessagesRequest
 from mlxserve.api.errors import APIError
 from mlxserve.api.pipeline import Accumulator, OutputDelta, ToolCallDelta, Usage
+from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
 
 
 def _req(**fields: Any) -> MessagesRequest:
@@ -152,7 +151,7 @@ def test_openai_messages(fields: dict[str, Any], expected: list[dict[str, Any]])
 
 
 def test_empty_thinking_text_comes_back_from_its_signature() -> None:
-    signature = sign_thinking("secret reasoning ✓")
+    signature = seal_reasoning("secret reasoning ✓")
     thinking = {"type": "thinking", "thinking": "", "signature": signature}
     messages = [
         {"role": "user", "content": "go"},
@@ -167,7 +166,7 @@ def test_empty_thinking_text_comes_back_from_its_signature() -> None:
     "signature", ["", "EqQBCkYIARgCIkB", "mlxserve-v1.!!!", "mlxserve-v1.aGVsbG8="]
 )
 def test_foreign_or_broken_signatures_decode_to_nothing(signature: str) -> None:
-    assert thinking_from_signature(signature) is None
+    assert unseal_reasoning(signature) is None
 
 
 EFFORT_CASES: list[tuple[dict[str, Any], dict[str, Any], Any]] = [
@@ -309,7 +308,7 @@ def test_event_order_for_reasoning_then_a_tool_call() -> None:
         for n, d in events
         if d.get("delta", {}).get("type") == "signature_delta"
     )
-    assert thinking_from_signature(signature) == "Let me check."
+    assert unseal_reasoning(signature) == "Let me check."
     tool_start = next(d for n, d in events if n == "content_block_start" and d["index"] == 1)
     assert tool_start["content_block"]["id"] == "toolu_9"
     final = next(d for n, d in events if n == "message_delta")
@@ -385,7 +384,7 @@ def test_message_body_matches_the_stream() -> None:
     assert body["stop_reason"] == "tool_use"
     hidden = message_body(MessageMeta("msg_1", "m", show_thinking=False), acc, Usage(), None)
     assert hidden["content"][0]["thinking"] == ""
-    assert thinking_from_signature(hidden["content"][0]["signature"]) == "Think."
+    assert unseal_reasoning(hidden["content"][0]["signature"]) == "Think."
 
 
 def test_v41_takes_client_effort_names() -> None:

@@ -183,3 +183,28 @@ def test_unconstrained_rows_beside_constrained_ones_keep_their_tokens(server: Se
         for f in constrained:
             f.result()
         assert beside.result().choices[0].message.content == alone
+
+
+def test_thinking_stays_free_and_the_grammar_starts_after_it() -> None:
+    """Reasoning is not constrained; the answer after `</think>` is."""
+    from api_fixtures import scripted_server
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    # The scripted reasoning would break the grammar if it were constrained.
+    with scripted_server('Think {not json.</think>{"a": 12}') as srv:
+        choice = (
+            _client(srv)
+            .chat.completions.create(
+                model="scripted-v4",
+                messages=[{"role": "user", "content": "Go."}],
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": schema},
+                },
+                max_tokens=64,
+            )
+            .choices[0]
+        )
+    assert choice.finish_reason == "stop"
+    assert getattr(choice.message, "reasoning_content", None) == "Think {not json."
+    assert json.loads(choice.message.content or "") == {"a": 12}

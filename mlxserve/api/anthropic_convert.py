@@ -22,7 +22,7 @@ from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
 from mlxserve.api.errors import APIError, bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.notices import warn_once
-from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
+from mlxserve.api.sealed import unseal_reasoning
 from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
 from mlxserve.chat import PromptRequest
 
@@ -31,11 +31,6 @@ from mlxserve.chat import PromptRequest
 # cross-session prefix-cache hit at the prompt's first tokens.
 BILLING_HEADER = "x-anthropic-billing-header:"
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
-
-
-# Thinking signatures are sealed reasoning text (shared with the Responses route).
-sign_thinking = seal_reasoning
-thinking_from_signature = unseal_reasoning
 
 
 def _bad(message: str, param: str | None = None) -> APIError:
@@ -127,7 +122,7 @@ def _thinking_text(block: Mapping[str, Any], where: str) -> str:
     if not isinstance(text, str) or not isinstance(signature, str):
         raise _bad(f"{where}: thinking and signature must be strings", where)
     if not text and signature:
-        return thinking_from_signature(signature) or ""
+        return unseal_reasoning(signature) or ""
     return text
 
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.api.anthropic_convert import sign_thinking
 from mlxserve.api.pipeline import Accumulator, OutputDelta, Usage
+from mlxserve.api.sealed import seal_reasoning
 
 Event = tuple[str, dict[str, Any]]
 
@@ -160,7 +160,7 @@ class MessageEvents:
             return []
         events: list[Event] = []
         if self._open == "thinking":
-            signature = sign_thinking("".join(self._reasoning))
+            signature = seal_reasoning("".join(self._reasoning))
             self._reasoning = []
             events.append(self._delta_event({"type": "signature_delta", "signature": signature}))
         self._open = None
@@ -181,7 +181,7 @@ def message_body(
     if reasoning:
         shown = reasoning if meta.show_thinking else ""
         content.append(
-            {"type": "thinking", "thinking": shown, "signature": sign_thinking(reasoning)}
+            {"type": "thinking", "thinking": shown, "signature": seal_reasoning(reasoning)}
         )
     text = acc.text
     if text.strip() or (text and not acc.calls):

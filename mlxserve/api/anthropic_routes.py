@@ -63,7 +63,7 @@ async def _message(run: GenerationRun, meta: MessageMeta) -> dict[str, Any]:
 
 async def messages(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, MessagesRequest, None)
+    req, model = await accept(state, request, MessagesRequest)
     gen = to_generation(req)
     meta = ResponseMeta(
         id=f"msg_{uuid.uuid4().hex[:24]}",
@@ -80,6 +80,6 @@ async def messages(state: ServerState, request: Request) -> Response:
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
-    req, model = await accept(state, request, CountTokensRequest, None)
+    req, model = await accept(state, request, CountTokensRequest)
     prompt = await render_chat(model, prompt_request(req))
     return JSONResponse({"input_tokens": len(prompt.token_ids)})

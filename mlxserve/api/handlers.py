@@ -334,35 +334,35 @@ async def _engine_constraint(
         raise APIError(400, str(e), param=param) from e
     if not thinking:
         return Constraint(grammar)
-    end = model.tokenizer.get_vocab().get(THINK_END)
-    if end is None:
+    end = model.tokenizer.encode(THINK_END, add_special_tokens=False)
+    if len(end) != 1:
         raise APIError(
             400,
             f"structured output in thinking mode needs a single {THINK_END} token; "
             "turn thinking off for this request",
             param=param,
         )
-    return Constraint(grammar, start_after=(int(end),))
+    return Constraint(grammar, start_after=(int(end[0]),))
 
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 async def accept(
-    state: ServerState, request: Request, schema: type[RequestT], model_name: str | None
+    state: ServerState, request: Request, schema: type[RequestT]
 ) -> tuple[RequestT, LoadedModel]:
     """The validated body and the model to serve it (4xx/503 otherwise)."""
     req = parse_body(schema, await request.body())
     check = getattr(req, "check_supported", None)
     if check is not None:
         check()
-    state.check_model_name(getattr(req, "model", model_name))
+    state.check_model_name(getattr(req, "model", None))
     return req, state.require_model()
 
 
 async def chat_completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, ChatCompletionRequest, None)
+    req, model = await accept(state, request, ChatCompletionRequest)
     meta = _meta(state, "chatcmpl", "chat", req)
     _, run = await start_chat(state, model, req.to_generation(), meta, arrival)
     return await run.respond(request, bool(req.stream))
@@ -384,7 +384,7 @@ def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
 
 async def completions(state: ServerState, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, CompletionRequest, None)
+    req, model = await accept(state, request, CompletionRequest)
     ids = await asyncio.to_thread(_completion_ids, model, req)
     meta = _meta(state, "cmpl", "text", req)
     run = start_run(

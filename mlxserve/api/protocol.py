@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.structured import OutputConstraint
+from mlxserve.api.structured import OutputConstraint, forced_calls
 from mlxserve.chat import PromptRequest
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -166,25 +166,22 @@ class ChatCompletionRequest(_SamplingFields):
     def tools_enabled(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
-    def _forced_tools(self) -> tuple[dict[str, Any], ...]:
-        """The functions `tool_choice` forces a call of (none for auto/none)."""
+    def _forced_calls(self) -> OutputConstraint | None:
+        """The calls `tool_choice` forces (None for auto/none); 400 when none can be made."""
         choice = self.tool_choice
-        if choice not in ("required",) and not isinstance(choice, NamedToolChoice):
-            return ()
-        functions = [t.function.model_dump(exclude_none=True) for t in self.tools or ()]
-        if not functions:
+        if choice != "required" and not isinstance(choice, NamedToolChoice):
+            return None
+        name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        forced = forced_calls(self.tool_dicts(), name, self.parallel_tool_calls is not False)
+        if forced.tools:
+            return forced
+        if name is None:
             raise APIError(
                 400, "tool_choice forces a tool call but no tools are given", param="tool_choice"
             )
-        if isinstance(choice, NamedToolChoice):
-            functions = [f for f in functions if f["name"] == choice.function.name]
-            if not functions:
-                raise APIError(
-                    400,
-                    f"tool_choice names {choice.function.name!r}, which is not among the tools",
-                    param="tool_choice",
-                )
-        return tuple(functions)
+        raise APIError(
+            400, f"tool_choice names {name!r}, which is not among the tools", param="tool_choice"
+        )
 
     def _response_schema(self) -> dict[str, Any] | None:
         fmt = self.response_format
@@ -213,16 +210,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def output_constraint(self) -> OutputConstraint | None:
         """What the answer is forced to be (tool_choice required/named, response_format)."""
-        tools = self._forced_tools()
+        forced = self._forced_calls()
         schema = self._response_schema()
-        if tools and schema is not None:
+        if forced is not None and schema is not None:
             raise APIError(
                 400,
                 "a forced tool_choice and a JSON response_format exclude each other",
                 param="tool_choice",
             )
-        if tools:
-            return OutputConstraint(tools=tools, parallel=self.parallel_tool_calls is not False)
+        if forced is not None:
+            return forced
         return OutputConstraint(json_schema=schema) if schema is not None else None
 
     @property

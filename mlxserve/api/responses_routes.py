@@ -113,7 +113,7 @@ class ResponsesAPI:
 
     async def create(self, state: ServerState, request: Request) -> Response:
         arrival = time.monotonic()
-        req, model = await accept(state, request, ResponsesRequest, None)
+        req, model = await accept(state, request, ResponsesRequest)
         history: tuple[Mapping[str, Any], ...] = ()
         if req.previous_response_id is not None:
             history = self.store.get(req.previous_response_id, "previous_response_id").items
