@@ -50,7 +50,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="prompt renderer; auto picks by the model's model_type",
     )
     p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-prefill-tokens", type=int, default=512)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        "--max-prefill-tokens",
+        dest="max_num_batched_tokens",
+        type=int,
+        default=512,
+        help="tokens one step feeds: a token per decoding request plus prefill chunks "
+        "(--max-prefill-tokens is its former name)",
+    )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=None,
+        help="while others decode or wait, size a long prompt's chunk so a step takes "
+        "about this long (default: twice the measured decode step)",
+    )
     p.add_argument(
         "--max-model-len",
         type=int,

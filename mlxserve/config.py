@@ -18,7 +18,14 @@ def default_prefix_cache_bytes() -> int:
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 8
-    max_prefill_tokens: int = 512
+    # Tokens one step feeds: one per decoding request plus the prefill chunks.
+    max_num_batched_tokens: int = 512
+    # The former name of the same budget; when given it sets max_num_batched_tokens.
+    max_prefill_tokens: int | None = None
+    # While other requests decode or wait, a long prompt's chunk is sized so a
+    # step takes about this long (from this model's measured speed). None:
+    # STEP_TIME_FACTOR times the measured decode step, so streams keep flowing.
+    max_step_ms: float | None = None
     max_waiting: int = 256
     max_model_len: int | None = None
     prefix_cache: bool = True
@@ -41,8 +48,14 @@ class EngineConfig:
             raise ValueError("request_timeout_s must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
-        if self.max_prefill_tokens < 1:
-            raise ValueError("max_prefill_tokens must be at least 1")
+        if self.max_prefill_tokens is not None:
+            if self.max_prefill_tokens < 1:
+                raise ValueError("max_prefill_tokens must be at least 1")
+            object.__setattr__(self, "max_num_batched_tokens", self.max_prefill_tokens)
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.max_step_ms is not None and not self.max_step_ms > 0:
+            raise ValueError("max_step_ms must be positive")
         if self.max_waiting < 0:
             raise ValueError("max_waiting must be >= 0")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -242,10 +242,10 @@ def test_engine_survives_a_failing_step(model_dir_factory, monkeypatch) -> None:
 
     real_lookup = PrefixCache.lookup
 
-    def lookup(self, prompt_ids):
+    def lookup(self, prompt_ids, take=False):
         if POISON in prompt_ids:
             raise RuntimeError("broken lookup")
-        return real_lookup(self, prompt_ids)
+        return real_lookup(self, prompt_ids, take)
 
     monkeypatch.setattr(PrefixCache, "lookup", lookup)
     jobs = [

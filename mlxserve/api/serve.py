@@ -24,7 +24,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         max_num_seqs=args.max_num_seqs,
-        max_prefill_tokens=args.max_prefill_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_ms=args.max_step_ms,
         max_waiting=args.max_waiting,
         max_model_len=args.max_model_len,
         prefix_cache=not args.no_prefix_cache,

@@ -33,8 +33,8 @@ from typing import Any
 from mlxserve.cache.snapshot import (
     UnsupportedCacheError,
     cache_nbytes,
-    copy_cache,
     is_trimmable,
+    share_cache,
     tracked_offset,
     trim_cache,
 )
@@ -50,8 +50,9 @@ class PrefixHit:
     """A reusable cache for the first `key_len` prompt tokens."""
 
     key_len: int
-    cache: list[Any]  # a fresh copy: the caller may write into it
+    cache: list[Any]  # the caller's own cache objects: it may write into them
     remaining: list[int]  # prompt_ids[key_len:], never empty
+    taken: bool = False  # the entry itself was handed over (and left the cache)
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class PrefixCacheStats:
     superseded: int  # removed because a longer (or identical) key replaced them
     inserts: int  # entries stored (rejected inserts are not counted)
     rejected: int  # inserts not stored (larger than the whole budget, or empty key)
+    taken: int = 0  # hits that took their entry over instead of sharing it
 
 
 @dataclass
@@ -217,7 +219,8 @@ class _Trie:
 class PrefixCache:
     """Token-prefix -> cache-snapshot store with an LRU byte and entry budget.
 
-    `copy` makes the private copy a hit hands out (default: `copy_cache`).
+    `copy` makes the cache objects a hit hands out (default: `share_cache`,
+    new objects over the snapshot's immutable buffers, so a hit copies nothing).
     `offset` reads how many tokens a snapshot holds, to check it against its
     key on insert (default: `tracked_offset`; None skips the check, e.g. for
     opaque test snapshots).
@@ -228,7 +231,7 @@ class PrefixCache:
         max_bytes: int,
         max_entries: int,
         *,
-        copy: Callable[[list[Any]], list[Any]] = copy_cache,
+        copy: Callable[[list[Any]], list[Any]] = share_cache,
         offset: Callable[[list[Any]], int | None] | None = tracked_offset,
         trimmable: Callable[[list[Any]], bool] = is_trimmable,
     ) -> None:
@@ -245,6 +248,7 @@ class PrefixCache:
         self._bytes = 0
         self._hits = self._misses = self._tokens_reused = 0
         self._evictions = self._superseded = self._inserts = self._rejected = 0
+        self._taken = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -268,13 +272,18 @@ class PrefixCache:
         with self._lock:
             return self._trie.shared_bytes(_pack(prompt_ids)) // _TOKEN
 
-    def lookup(self, prompt_ids: Sequence[int]) -> PrefixHit | None:
-        """The longest reusable prefix of the prompt, as a fresh copy.
+    def lookup(self, prompt_ids: Sequence[int], take: bool = False) -> PrefixHit | None:
+        """The longest reusable prefix of the prompt, as cache objects of the caller's own.
 
         Normally the longest entry whose key is a strict prefix of the prompt.
         A trimmable entry (plain KV) that shares more of the prompt than that,
         e.g. a `prompt + output` entry whose reply was re-rendered differently,
-        is copied and trimmed back to the shared part instead.
+        is handed out trimmed back to the shared part instead.
+
+        `take`: the caller will insert a snapshot that extends this prompt, which
+        supersedes the entry unless other keys branch from it. Such an entry (a
+        leaf, used whole) is handed over and leaves the cache: nothing is copied
+        and its bytes are not held twice. Other hits share the snapshot's buffers.
         """
         key = _pack(prompt_ids)
         with self._lock:
@@ -287,11 +296,18 @@ class PrefixCache:
                 self._misses += 1
                 return None
             chosen = node.entry
-            self._lru.move_to_end(node)
             reused = min(usable, chosen.key_len) if chosen.trimmable else chosen.key_len
             self._hits += 1
             self._tokens_reused += reused
-        # A stored snapshot is never written to, so copying it needs no lock.
+            taken = take and not node.children and reused == chosen.key_len
+            if taken:
+                self._drop(node)
+                self._taken += 1
+            else:
+                self._lru.move_to_end(node)
+        if taken:
+            return PrefixHit(reused, chosen.snapshot, list(prompt_ids[reused:]), taken=True)
+        # A stored snapshot is never written to, so sharing it needs no lock.
         cache = self._copy(chosen.snapshot)
         if reused < chosen.key_len:
             trim_cache(cache, chosen.key_len - reused)
@@ -303,7 +319,7 @@ class PrefixCache:
         """Store `snapshot` (holding exactly `key_ids`); True if it was stored.
 
         The caller passes a snapshot it will not write to again, normally
-        `copy_cache(live_cache)` taken when the cache covered exactly `key_ids`;
+        `copy_cache(live_cache, wait=False)` taken when the cache covered exactly `key_ids`;
         it is stored as is, not copied. `nbytes` defaults to `cache_nbytes`.
         An entry larger than `max_bytes` (or an empty key) is not stored and
         leaves the cache unchanged.
@@ -383,4 +399,5 @@ class PrefixCache:
                 superseded=self._superseded,
                 inserts=self._inserts,
                 rejected=self._rejected,
+                taken=self._taken,
             )

@@ -3,8 +3,10 @@
 A model's cache is a list with one object per layer. The live objects write
 into their buffers in place while a request generates, so a snapshot kept for
 reuse must be a real copy. `copy_cache` makes one: new objects of the same
-classes holding freshly allocated, evaluated arrays trimmed to what generation
-needs (a KVCache's preallocated step slack is dropped).
+classes holding freshly allocated arrays trimmed to what generation needs (a
+KVCache's preallocated step slack is dropped), evaluated now or scheduled.
+`share_cache` hands a stored snapshot out without copying: new objects over
+the same (immutable) buffers.
 
 Supported classes (dispatch is on the exact class; a subclass may hold extra
 state, so it is refused rather than guessed at):
@@ -35,6 +37,7 @@ __all__ = [
     "cache_nbytes",
     "cache_offset",
     "copy_cache",
+    "share_cache",
     "is_trimmable",
     "tracked_offset",
     "trim_cache",
@@ -64,22 +67,35 @@ def _copy_array(a: mx.array) -> mx.array:
     return a * mx.array(1, dtype=a.dtype)
 
 
-def _copy_opt(a: mx.array | None) -> mx.array | None:
-    return None if a is None else _copy_array(a)
+def _share_array(a: mx.array) -> mx.array:
+    """A new handle on `a`'s buffer (no copy).
+
+    MLX arrays are values: a slice assignment through the new handle writes
+    into a fresh buffer (a buffer another array still uses is never donated),
+    and it rebinds only that handle, so `a` never changes.
+    """
+    return a.reshape(a.shape)
 
 
-def _rows(a: mx.array | None, n: int) -> mx.array | None:
-    """The first `n` rows along the sequence axis (-2) of a KV buffer, copied."""
+ArrayFn = Callable[[mx.array], mx.array]
+
+
+def _copy_opt(a: mx.array | None, fn: ArrayFn) -> mx.array | None:
+    return None if a is None else fn(a)
+
+
+def _rows(a: mx.array | None, n: int, fn: ArrayFn) -> mx.array | None:
+    """The first `n` rows along the sequence axis (-2) of a KV buffer, through `fn`."""
     if a is None:
         return None
-    return _copy_array(a[..., :n, :] if a.shape[-2] != n else a)
+    return fn(a[..., :n, :] if a.shape[-2] != n else a)
 
 
 @dataclass(frozen=True)
 class _Kind:
     """How to handle one cache class."""
 
-    copy: Callable[[Any], Any]
+    copy: Callable[[Any, ArrayFn], Any]
     arrays: Callable[[Any], Iterator[mx.array]]
     offset: Callable[[Any], int | None]
     trimmable: Callable[[Any], bool]
@@ -116,40 +132,40 @@ def _kv_arrays(c: Any) -> Iterator[mx.array]:
 # --- KVCache -----------------------------------------------------------------
 
 
-def _copy_lm_kv(c: lm_cache.KVCache) -> lm_cache.KVCache:
+def _copy_lm_kv(c: lm_cache.KVCache, fn: ArrayFn) -> lm_cache.KVCache:
     new = lm_cache.KVCache()
     if c.keys is not None:
-        new.state = (_rows(c.keys, c.offset), _rows(c.values, c.offset), c.offset)
+        new.state = (_rows(c.keys, c.offset, fn), _rows(c.values, c.offset, fn), c.offset)
     return new
 
 
-def _copy_vlm_kv(c: vlm_cache.KVCache) -> vlm_cache.KVCache:
+def _copy_vlm_kv(c: vlm_cache.KVCache, fn: ArrayFn) -> vlm_cache.KVCache:
     new = vlm_cache.KVCache()
     if c.keys is not None:
         # The setter takes the offset from the keys' length.
-        new.state = (_rows(c.keys, c.offset), _rows(c.values, c.offset))
+        new.state = (_rows(c.keys, c.offset, fn), _rows(c.values, c.offset, fn))
     return new
 
 
 # --- QuantizedKVCache ----------------------------------------------------------
 
 
-def _quant_rows(parts: Sequence[mx.array], n: int) -> tuple[mx.array, ...]:
-    return tuple(_copy_array(p[..., :n, :]) for p in parts)
+def _quant_rows(parts: Sequence[mx.array], n: int, fn: ArrayFn) -> tuple[mx.array, ...]:
+    return tuple(fn(p[..., :n, :]) for p in parts)
 
 
-def _copy_lm_quant(c: lm_cache.QuantizedKVCache) -> lm_cache.QuantizedKVCache:
+def _copy_lm_quant(c: lm_cache.QuantizedKVCache, fn: ArrayFn) -> lm_cache.QuantizedKVCache:
     new = lm_cache.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
     if c.keys is not None:
-        keys, values = _quant_rows(c.keys, c.offset), _quant_rows(c.values, c.offset)
+        keys, values = _quant_rows(c.keys, c.offset, fn), _quant_rows(c.values, c.offset, fn)
         new.state = (keys, values, c.offset, c.group_size, c.bits)
     return new
 
 
-def _copy_vlm_quant(c: vlm_cache.QuantizedKVCache) -> vlm_cache.QuantizedKVCache:
+def _copy_vlm_quant(c: vlm_cache.QuantizedKVCache, fn: ArrayFn) -> vlm_cache.QuantizedKVCache:
     new = vlm_cache.QuantizedKVCache(group_size=c.group_size, bits=c.bits)
     if c.keys is not None:
-        new.state = (_quant_rows(c.keys, c.offset), _quant_rows(c.values, c.offset))
+        new.state = (_quant_rows(c.keys, c.offset, fn), _quant_rows(c.values, c.offset, fn))
         new.meta_state = c.meta_state
     return new
 
@@ -170,23 +186,23 @@ def _rotating_rows(keys: mx.array, offset: int, idx: int) -> int:
     return size
 
 
-def _copy_lm_rotating(c: lm_cache.RotatingKVCache) -> lm_cache.RotatingKVCache:
+def _copy_lm_rotating(c: lm_cache.RotatingKVCache, fn: ArrayFn) -> lm_cache.RotatingKVCache:
     new = lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep)
     if c.keys is not None:
         keys, values, offset, keep, max_size, idx = c.state
         n = _rotating_rows(keys, offset, idx)
-        new.state = (_rows(keys, n), _rows(values, n), offset, keep, max_size, idx)
+        new.state = (_rows(keys, n, fn), _rows(values, n, fn), offset, keep, max_size, idx)
     return new
 
 
-def _copy_vlm_rotating(c: vlm_cache.RotatingKVCache) -> vlm_cache.RotatingKVCache:
+def _copy_vlm_rotating(c: vlm_cache.RotatingKVCache, fn: ArrayFn) -> vlm_cache.RotatingKVCache:
     new = vlm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep)
     if c.keys is not None:
         # The state getter already drops unused rows before the first wrap;
         # meta_state carries keep, max_size, offset and the write index.
         _, _, offset, idx = (int(v) for v in c.meta_state)
         n = _rotating_rows(c.keys, offset, idx)
-        new.state = (_rows(c.keys, n), _rows(c.values, n))
+        new.state = (_rows(c.keys, n, fn), _rows(c.values, n, fn))
         new.meta_state = c.meta_state
     return new
 
@@ -194,23 +210,23 @@ def _copy_vlm_rotating(c: vlm_cache.RotatingKVCache) -> vlm_cache.RotatingKVCach
 # --- ArraysCache (recurrent / conv state) ----------------------------------------
 
 
-def _copy_lm_arrays(c: lm_cache.ArraysCache) -> lm_cache.ArraysCache:
+def _copy_lm_arrays(c: lm_cache.ArraysCache, fn: ArrayFn) -> lm_cache.ArraysCache:
     new = lm_cache.ArraysCache(len(c.cache))
     new.state = (
-        [_copy_opt(a) for a in c.cache],
-        _copy_opt(c.left_padding),
-        _copy_opt(c.lengths),
+        [_copy_opt(a, fn) for a in c.cache],
+        _copy_opt(c.left_padding, fn),
+        _copy_opt(c.lengths, fn),
     )
     return new
 
 
-def _copy_vlm_arrays(c: vlm_cache.ArraysCache) -> vlm_cache.ArraysCache:
+def _copy_vlm_arrays(c: vlm_cache.ArraysCache, fn: ArrayFn) -> vlm_cache.ArraysCache:
     if c.is_speculating:
         raise UnsupportedCacheError(c, "cannot snapshot during a speculative block")
     new = vlm_cache.ArraysCache(len(c.cache))
-    new.state = [_copy_opt(a) for a in c.cache]
-    new.left_padding = _copy_opt(c.left_padding)
-    new.lengths = _copy_opt(c.lengths)
+    new.state = [_copy_opt(a, fn) for a in c.cache]
+    new.left_padding = _copy_opt(c.left_padding, fn)
+    new.lengths = _copy_opt(c.lengths, fn)
     return new
 
 
@@ -221,15 +237,15 @@ def _arrays_cache_arrays(c: Any) -> Iterator[mx.array]:
 # --- PoolingCache (mlx-vlm DeepSeek-V4 compressed KV) ----------------------------
 
 
-def _copy_pooling(c: vlm_cache.PoolingCache) -> vlm_cache.PoolingCache:
+def _copy_pooling(c: vlm_cache.PoolingCache, fn: ArrayFn) -> vlm_cache.PoolingCache:
     if c.is_speculating:
         raise UnsupportedCacheError(c, "cannot snapshot during a speculative block")
     new: Any = vlm_cache.PoolingCache(c.ratio)
     # The remainder buffers are written in place one row at a time up to
     # `ratio` rows, so they keep their full (small) size.
-    new.buf_kv = _copy_opt(c.buf_kv)
-    new.buf_gate = _copy_opt(c.buf_gate)
-    new.pooled = _copy_opt(c.pooled)
+    new.buf_kv = _copy_opt(c.buf_kv, fn)
+    new.buf_gate = _copy_opt(c.buf_gate, fn)
+    new.pooled = _copy_opt(c.pooled, fn)
     new.remainder = c.remainder
     return new
 
@@ -238,15 +254,15 @@ def _pooling_arrays(c: Any) -> Iterator[mx.array]:
     return _present(c.buf_kv, c.buf_gate, c.pooled)
 
 
-def _copy_carrying_pooling(c: Any) -> Any:
+def _copy_carrying_pooling(c: Any, fn: ArrayFn) -> Any:
     from mlxserve.models.dsv4_overlap import CarryingPoolingCache
 
-    base = _copy_pooling(c)
+    base = _copy_pooling(c, fn)
     new = CarryingPoolingCache(c.ratio)
     new.buf_kv, new.buf_gate, new.pooled = base.buf_kv, base.buf_gate, base.pooled
     new.remainder = base.remainder
-    new.carry_kv = _copy_opt(c.carry_kv)
-    new.carry_gate = _copy_opt(c.carry_gate)
+    new.carry_kv = _copy_opt(c.carry_kv, fn)
+    new.carry_gate = _copy_opt(c.carry_gate, fn)
     return new
 
 
@@ -264,12 +280,12 @@ def _pooling_offset(c: Any) -> int | None:
 _LAYER_FIELDS = ("window", "compress_kv", "index_k", "pending_kv", "pending_gate")
 
 
-def _copy_v41_layer(c: lm_v41.LayerCache) -> lm_v41.LayerCache:
+def _copy_v41_layer(c: lm_v41.LayerCache, fn: ArrayFn) -> lm_v41.LayerCache:
     # LayerCache has a state getter but no setter; its fields are public.
     new = lm_v41.LayerCache(c.window_size)
     new.offset = c.offset
     for name in _LAYER_FIELDS:
-        setattr(new, name, _copy_opt(getattr(c, name)))
+        setattr(new, name, _copy_opt(getattr(c, name), fn))
     return new
 
 
@@ -280,8 +296,8 @@ def _v41_arrays(c: Any) -> Iterator[mx.array]:
 # --- CacheList (recursive) ---------------------------------------------------------
 
 
-def _copy_cache_list(c: Any) -> Any:
-    return type(c)(*(_copy_one(sub) for sub in c.caches))
+def _copy_cache_list(c: Any, fn: ArrayFn) -> Any:
+    return type(c)(*(_copy_one(sub, fn) for sub in c.caches))
 
 
 def _cache_list_arrays(c: Any) -> Iterator[mx.array]:
@@ -305,10 +321,10 @@ def _cache_list_trimmable(c: Any) -> bool:
 def _registry() -> dict[type, _Kind]:
     from mlxserve.models.dsv4_overlap import CarryingPoolingCache
 
-    def kv(copier: Callable[[Any], Any], trimmable: Callable[[Any], bool]) -> _Kind:
+    def kv(copier: Callable[[Any, ArrayFn], Any], trimmable: Callable[[Any], bool]) -> _Kind:
         return _Kind(copier, _kv_arrays, _attr_offset, trimmable)
 
-    def arrays_cache(copier: Callable[[Any], Any]) -> _Kind:
+    def arrays_cache(copier: Callable[[Any, ArrayFn], Any]) -> _Kind:
         return _Kind(copier, _arrays_cache_arrays, _no_offset, _never)
 
     cache_list = _Kind(
@@ -342,8 +358,8 @@ def _kind(cache: Any) -> _Kind:
     return kind
 
 
-def _copy_one(cache: Any) -> Any:
-    return _kind(cache).copy(cache)
+def _copy_one(cache: Any, fn: ArrayFn = _copy_array) -> Any:
+    return _kind(cache).copy(cache, fn)
 
 
 def _unique_arrays(caches: Sequence[Any]) -> list[mx.array]:
@@ -354,16 +370,33 @@ def _unique_arrays(caches: Sequence[Any]) -> list[mx.array]:
     return list(seen.values())
 
 
-def copy_cache(caches: Sequence[Any]) -> list[Any]:
-    """A deep, evaluated copy of a per-layer cache list, safe from later writes.
+def copy_cache(caches: Sequence[Any], wait: bool = True) -> list[Any]:
+    """A deep copy of a per-layer cache list with buffers of its own, safe from later writes.
 
+    With `wait`, the copy is evaluated before it returns; without, it is
+    scheduled (`mx.async_eval`) and overlaps whatever the caller does next
+    (the copy reads the values the arrays hold now, whatever is written later).
     Raises UnsupportedCacheError for a cache class this module does not know.
     """
     copies = [_copy_one(c) for c in caches]
     arrays = _unique_arrays(copies)
     if arrays:
-        mx.eval(arrays)
+        if wait:
+            mx.eval(arrays)
+        else:
+            mx.async_eval(arrays)
     return copies
+
+
+def share_cache(caches: Sequence[Any]) -> list[Any]:
+    """New cache objects over the same buffers: O(layers), no array is copied.
+
+    For handing out a stored snapshot: what the new objects write (in place or
+    not) never reaches the snapshot, because every array is a new handle and a
+    buffer that another array still holds is copied before MLX writes into it.
+    The copy, where the cache type needs one, happens inside the next forward.
+    """
+    return [_copy_one(c, _share_array) for c in caches]
 
 
 def cache_nbytes(caches: Sequence[Any]) -> int:

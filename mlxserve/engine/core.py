@@ -1,8 +1,9 @@
 """EngineCore: the one thread that loads the model and makes every MLX call.
 
 MLX streams live in the thread that created them, so the thread that loads the
-model is the thread that steps it, for the life of the process. The loop is
-three named phases: schedule -> run -> update.
+model is the thread that steps it, for the life of the process. A step is
+three calls: `Scheduler.schedule() -> StepPlan`, `Runner.run(plan) -> StepResult`,
+`Scheduler.update(result)`.
 
 No request is ever left waiting (DESIGN.md rules 2 and 8): events leave after
 every phase, a phase that raises fails exactly the requests it touched, and
@@ -204,11 +205,10 @@ class EngineCore:
             self._step(scheduler, runner)
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> None:
-        """One step: phase one decodes and finishes short prompts, phase two feeds
-        the partial chunks of long prompts, then finished requests are freed.
+        """One step: schedule -> run -> update; its events go out as the update ends.
 
-        Each phase's events go out as soon as it ends, so streaming clients do not
-        wait for a long prefill chunk, and an error in a later phase loses none.
+        A phase that raises fails the requests it touched and the step ends
+        there; a run that could not free finished requests has them recovered.
         """
         plan = self._guarded(
             lambda: self._schedule(scheduler),
@@ -218,26 +218,17 @@ class EngineCore:
             return
         if plan.has_work:
             self.steps += 1
-        first, second = plan.split_partial_prefills()
-        self._run_phase(first)
-        if second.has_work:
-            self._run_phase(second)
-        # Free finished requests now, so their `prompt + output` snapshots are in
-        # the prefix cache before the next request is admitted.
-        released = scheduler.take_released()
-        if released.released:
-            self._run_phase(released)
+        result = self._guarded(lambda: runner.run(plan), lambda: plan.request_ids)
+        if result is not None:
+            self._guarded(lambda: scheduler.update(result), lambda: plan.request_ids)
+            if result.unreleased:
+                self._recover(result.unreleased, result.release_error or "release failed")
         self._measure(scheduler, runner)
 
     def _schedule(self, scheduler: Scheduler) -> StepPlan:
         if self._fault is not None:
             self._fault(faults.SCHEDULE, [r.request_id for r in scheduler.running])
         return scheduler.schedule()
-
-    def _run_phase(self, plan: StepPlan) -> None:
-        scheduler, runner = self.scheduler, self.runner
-        assert scheduler is not None and runner is not None
-        self._guarded(lambda: scheduler.update(runner.run(plan)), lambda: plan.request_ids)
 
     def _guarded(self, work: Callable[[], T], touched: Callable[[], list[str]]) -> T | None:
         """Run one phase; if it raises, fail the requests it touched. Emit what it produced."""

@@ -1,11 +1,16 @@
-"""The typed objects passed between Scheduler and Runner each step."""
+"""The typed objects passed between Scheduler and Runner each step.
+
+A step is `Scheduler.schedule() -> StepPlan`, `Runner.run(plan) -> StepResult`,
+`Scheduler.update(result)`. The plan says what to feed; the result says what
+was fed and sampled; only `update` moves requests on.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxserve.engine.request import Request
+from mlxserve.engine.request import Request, RequestStatus
 from mlxserve.engine.sampling import SampledRow
 
 
@@ -26,6 +31,32 @@ class PrefillChunk:
     def is_last(self) -> bool:
         return self.end == self.request.num_fill
 
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class FinishRule:
+    """When a sampled token ends its request (the scheduler's rule, shared with the runner,
+    so the run that samples a request's last token can also snapshot its cache)."""
+
+    eos_ids: frozenset[int]
+    max_model_len: int | None = None
+
+    def status(self, request: Request, token: int) -> RequestStatus | None:
+        """How `request` ends if `token` is appended to its output now (None: it goes on)."""
+        params = request.params
+        if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        produced = len(request.output_ids) + 1
+        if produced >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        limit = self.max_model_len
+        if limit is not None and request.num_prompt + produced >= limit:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
 
 @dataclass
 class StepPlan:
@@ -33,15 +64,24 @@ class StepPlan:
     decodes: list[Request] = field(default_factory=list)
     # Requests that finished (or were aborted) since the last step: free their caches.
     released: list[str] = field(default_factory=list)
-    # Of those, (request id, tokens its cache holds) to snapshot first: finished
-    # requests on trimmable caches leave a `prompt + output` prefix-cache entry.
+    # Of those, (request id, tokens its cache holds) to snapshot first: requests
+    # stopped from outside (a stop string) on trimmable caches leave a
+    # `prompt + output` prefix-cache entry.
     completed: list[tuple[str, list[int]]] = field(default_factory=list)
     # Requests preempted for memory: drop their caches (they are prefilled again later).
     preempted: list[str] = field(default_factory=list)
+    # Set when the prefix cache is on: decode rows whose sampled token ends them
+    # leave a `prompt + output` snapshot in the same run (trimmable caches only).
+    finish_rule: FinishRule | None = None
 
     @property
     def has_work(self) -> bool:
         return bool(self.prefills or self.decodes)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens this step feeds (one per decode row plus the prefill chunks)."""
+        return len(self.decodes) + sum(c.num_tokens for c in self.prefills)
 
     @property
     def request_ids(self) -> list[str]:
@@ -50,15 +90,6 @@ class StepPlan:
         ids += [r.request_id for r in self.decodes]
         ids += [rid for rid, _ in self.completed]
         return list(dict.fromkeys(ids + self.released + self.preempted))
-
-    def split_partial_prefills(self) -> tuple[StepPlan, StepPlan]:
-        """(everything that yields tokens now, the chunks that leave a prompt unfinished)."""
-        partial = [chunk for chunk in self.prefills if not chunk.is_last]
-        if not partial:
-            return self, StepPlan()
-        finishing = [chunk for chunk in self.prefills if chunk.is_last]
-        first = StepPlan(finishing, self.decodes, self.released, self.completed, self.preempted)
-        return first, StepPlan(prefills=partial)
 
 
 @dataclass
@@ -75,6 +106,8 @@ class RequestOutput:
     sampled: SampledRow | None = None
     error: str | None = None
     snapshot: Snapshot | None = None
+    # Prompt tokens the request's cache holds after this step (a prefill chunk ran).
+    computed: int | None = None
 
 
 @dataclass
@@ -82,3 +115,9 @@ class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    # Wall time of the forwards (through sampling), for the scheduler's pacing.
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    # Finished requests whose caches could not be freed (the engine recovers them).
+    unreleased: list[str] = field(default_factory=list)
+    release_error: str | None = None

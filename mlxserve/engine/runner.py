@@ -1,16 +1,26 @@
 """The only code that touches mlx arrays: prefill chunks, batched decode, sampling.
 
-Requests prefill alone, each over its own cache. A finished prefill joins the
-decode batch when every layer of its cache can be merged: mlx-lm's plain and
-sliding-window KV caches (`BatchKVCache`, `BatchRotatingKVCache`, left-padded)
-and mlx-vlm's DeepSeek-V4 caches (see `models/dsv4_batch.py`). Other cache
-types (e.g. DeepSeek-V4.1 layer caches) cannot be merged, so each such request
-decodes as its own batch of one.
+`run(plan)` is one step: free what finished, one forward over every decode
+row, then the plan's prefill chunks. Decode rows (one token each) and prefill
+chunks do not share a forward: mlx-lm's batched caches advance every row by
+the same length, so a decode row in a chunk's forward would be padded to the
+chunk's length, costing that many times its compute and leaving as many
+padding columns in its cache each step (docs/mixed-batches.md has the
+measurements). Requests prefill over their own caches. A finished prefill
+joins the decode batch when every layer of its cache can be merged: mlx-lm's
+plain and sliding-window KV caches (`BatchKVCache`, `BatchRotatingKVCache`,
+left-padded) and mlx-vlm's DeepSeek-V4 caches (see `models/dsv4_batch.py`).
+Other cache types (e.g. DeepSeek-V4.1 layer caches) cannot be merged, so each
+such request decodes as its own batch of one.
+
+Snapshots for the prefix cache are scheduled with `mx.async_eval` after the
+step's tokens are sampled, so the copies overlap what follows.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +31,14 @@ from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import CacheCost, fit_cost, live_nbytes, probe_lengths
-from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
+from mlxserve.engine.plan import (
+    FinishRule,
+    PrefillChunk,
+    RequestOutput,
+    Snapshot,
+    StepPlan,
+    StepResult,
+)
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
     SampledRow,
@@ -188,17 +205,28 @@ class Runner:
         return fit_cost(samples.items())
 
     def run(self, plan: StepPlan) -> StepResult:
+        """One step: free, decode every running row in one forward, feed the chunks."""
         result = StepResult()
         try:
             self._snapshot_completed(plan.completed, result)
         finally:
-            self.release(plan.released)
+            self._release_finished(plan.released, result)
         self.preempt(plan.preempted)
+        if result.unreleased:
+            return result  # the decode batch may be inconsistent: the engine recovers first
         if plan.decodes:
-            self._decode(plan.decodes, result)
+            self._decode(plan.decodes, plan.finish_rule, result)
         for chunk in plan.prefills:
             self._prefill(chunk, result)
         return result
+
+    def _release_finished(self, request_ids: list[str], result: StepResult) -> None:
+        try:
+            self.release(request_ids)
+        except Exception as e:  # reported; the engine recovers these requests
+            logger.exception("freeing %d finished request(s) failed", len(request_ids))
+            result.unreleased = list(request_ids)
+            result.release_error = _describe(e)
 
     # -- prefill ------------------------------------------------------------
     def _prefill(self, chunk: PrefillChunk, result: StepResult) -> None:
@@ -215,18 +243,19 @@ class Runner:
                 )
             context = request.context_ids
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
+            started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
             logits = self.model.model.last_logits(tokens, cache)
-            result.prefill_tokens += chunk.end - chunk.start
-            output = RequestOutput(rid)
+            output = RequestOutput(rid, computed=chunk.end)
             if chunk.is_last:
                 output.sampled = self._sample(logits, [request])[0]
             else:
                 mx.eval(logits)
+            result.prefill_s += time.perf_counter() - started
+            result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
                 output.snapshot = self._snapshot(context[: chunk.end], cache, rid)
-            if chunk.is_last or output.snapshot is not None:
-                result.outputs.append(output)
+            result.outputs.append(output)
             if chunk.is_last and self.batchable:
                 self.batch.add(rid, self.caches.pop(rid))
         except Exception as e:  # a failing step fails its request, not the engine
@@ -247,16 +276,20 @@ class Runner:
         for request_id, key_ids in completed:
             if request_id not in self.batch.request_ids:
                 continue
-            try:
-                row = self.batch.request_ids.index(request_id)
-                extracted = [layer.extract(row) for layer in self.batch.cache]
-                snapshot = self._snapshot(key_ids, extracted, request_id)
-            except Exception:  # the request has finished already; only its entry is lost
-                logger.exception("snapshot of finished request %s failed", request_id)
-                mx.clear_cache()
-                continue
+            snapshot = self._row_snapshot(request_id, key_ids)
             if snapshot is not None:
                 result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
+
+    def _row_snapshot(self, request_id: str, key_ids: list[int]) -> Snapshot | None:
+        """A snapshot of one decode-batch row (None if it fails: only the entry is lost)."""
+        try:
+            row = self.batch.request_ids.index(request_id)
+            extracted = [layer.extract(row) for layer in self.batch.cache]
+            return self._snapshot(key_ids, extracted, request_id)
+        except Exception:  # the request is finishing; only its prefix-cache entry is lost
+            logger.exception("snapshot of finished request %s failed", request_id)
+            mx.clear_cache()
+            return None
 
     def _snapshot(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:
         from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache
@@ -265,30 +298,42 @@ class Runner:
             return None
         self._check(faults.SNAPSHOT, [request_id])
         try:
-            return Snapshot(list(key_ids), copy_cache(cache))
+            # Scheduled, not waited for: the copy overlaps the next forward.
+            return Snapshot(list(key_ids), copy_cache(cache, wait=False))
         except UnsupportedCacheError as e:
             logger.warning("prefix cache off for this model: %s", e)
             self._snapshots_supported = False
             return None
 
     # -- decode -------------------------------------------------------------
-    def _decode(self, requests: list[Request], result: StepResult) -> None:
+    def _decode(
+        self, requests: list[Request], finish: FinishRule | None, result: StepResult
+    ) -> None:
         if self.batchable:
             by_id = {r.request_id: r for r in requests}
             ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
-            self._decode_group(ordered, self.batch.cache, result)
+            self._decode_group(ordered, self.batch.cache, finish, result)
         else:
             for request in requests:
-                self._decode_group([request], self.caches[request.request_id], result)
+                cache = self.caches[request.request_id]
+                self._decode_group([request], cache, finish, result)
 
-    def _decode_group(self, requests: list[Request], cache: list[Any], result: StepResult) -> None:
+    def _decode_group(
+        self,
+        requests: list[Request],
+        cache: list[Any],
+        finish: FinishRule | None,
+        result: StepResult,
+    ) -> None:
         try:
             if self.batchable and len(requests) != len(self.batch.request_ids):
                 raise RuntimeError("decode batch out of step with the scheduler")
             inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
+            started = time.perf_counter()
             self._check(faults.FORWARD, [r.request_id for r in requests])
             logits = self.model.model.last_logits(inputs, cache)
             rows = self._sample(logits, requests)
+            result.decode_s += time.perf_counter() - started
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
             self._forget([r.request_id for r in requests])
@@ -296,8 +341,14 @@ class Runner:
                 result.outputs.append(RequestOutput(request.request_id, error=_describe(e)))
             return
         result.decode_tokens += len(requests)
+        snapshots = finish is not None and self.completion_snapshots
         for request, row in zip(requests, rows, strict=True):
-            result.outputs.append(RequestOutput(request.request_id, sampled=row))
+            output = RequestOutput(request.request_id, sampled=row)
+            if snapshots and finish is not None and finish.status(request, row.token) is not None:
+                # The cache holds prompt + output (the new token is never fed).
+                key = request.prompt_ids + request.output_ids
+                output.snapshot = self._row_snapshot(request.request_id, key)
+            result.outputs.append(output)
 
     def _forget(self, request_ids: list[str]) -> None:
         """After an error (an allocation failure among them): drop the caches, free memory."""

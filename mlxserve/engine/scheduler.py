@@ -1,7 +1,8 @@
 """Admission, prefix-cache lookup, the prefill token budget, and finishing requests.
 
 Pure bookkeeping: it never touches mlx arrays except through the prefix cache's
-lookup, which hands back a private copy of a snapshot.
+lookup, which hands back cache objects over a snapshot's buffers (or the
+snapshot itself, when this request supersedes it) without copying.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget
-from mlxserve.engine.plan import PrefillChunk, RequestOutput, Snapshot, StepPlan, StepResult
+from mlxserve.engine.pacing import Pacer
+from mlxserve.engine.plan import (
+    FinishRule,
+    PrefillChunk,
+    RequestOutput,
+    Snapshot,
+    StepPlan,
+    StepResult,
+)
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.sampling import SampledRow
 
@@ -72,6 +81,8 @@ class Scheduler:
         self._released: list[str] = []
         self._completed: list[tuple[str, list[int]]] = []
         self._outbox: list[TokenEvent] = []
+        self.finish_rule = FinishRule(eos_ids, config.max_model_len)
+        self.pacer = Pacer(config.max_step_ms)
 
     def take_events(self) -> list[TokenEvent]:
         events, self._outbox = self._outbox, []
@@ -112,31 +123,46 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------
     def schedule(self) -> StepPlan:
-        """Decode every running request; spend the prefill budget shortest-prompt-first.
+        """One step's plan: free what finished, decode every running request, spend the
+        token budget on prefill chunks shortest-prompt-first.
 
         Shortest-remaining-first lets a short request that arrives behind a long
         prompt be prefilled in the next step instead of after the whole prefill.
-        Memory comes first: running requests that would outgrow the budget
-        preempt the newest, and a waiting request is admitted only when it fits.
+        While others decode or wait, the pacer bounds the prefill so the step
+        ends on time. Memory comes first: running requests that would outgrow
+        the budget preempt the newest, and a waiting request is admitted only
+        when it fits. Requests stopped from outside leave their `prompt + output`
+        snapshots in this step's run, so admission waits one step for them.
         """
-        plan = self.take_released()
+        plan = StepPlan(released=self._released, completed=self._completed)
+        self._released, self._completed = [], []
+        if self.prefix_cache is not None:
+            plan.finish_rule = self.finish_rule
         self._expire()
         self._preempt_for_memory(plan)
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
-        self._admit_waiting()
-        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
-        prefilling.sort(key=lambda r: r.prefill_remaining)
-        budget = self.config.max_prefill_tokens
-        for request in prefilling:
-            if budget <= 0:
-                break
-            chunk = self._next_chunk(request, budget)
-            plan.prefills.append(chunk)
-            request.cache = None
-            request.num_computed = chunk.end
-            budget -= chunk.end - chunk.start
+        if not plan.completed:
+            self._admit_waiting()
+        self._plan_prefills(plan)
         self._fit_prefix_cache([])
         return plan
+
+    def _plan_prefills(self, plan: StepPlan) -> None:
+        prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
+        prefilling.sort(key=lambda r: r.prefill_remaining)
+        # One token per decode row comes out of the budget; a prefill always progresses.
+        budget = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
+        others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
+        paced = self.pacer.prefill_tokens(bool(plan.decodes)) if others else None
+        for request in prefilling:
+            allowed = budget if paced is None else min(budget, paced)
+            if allowed <= 0:
+                break
+            chunk = self._next_chunk(request, allowed)
+            plan.prefills.append(chunk)
+            budget -= chunk.num_tokens
+            if paced is not None:
+                paced -= chunk.num_tokens
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
@@ -148,12 +174,6 @@ class Scheduler:
                 end = boundary
         snapshot = self.prefix_cache is not None and end in (request.num_prompt, request.branch_at)
         return PrefillChunk(request, start, end, request.cache, snapshot)
-
-    def take_released(self) -> StepPlan:
-        """A plan that only frees (and snapshots) what finished since the last plan."""
-        plan = StepPlan(released=self._released, completed=self._completed)
-        self._released, self._completed = [], []
-        return plan
 
     def _expire(self) -> None:
         timeout = self.config.request_timeout_s
@@ -252,7 +272,8 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         context = request.context_ids
-        hit = self.prefix_cache.lookup(context)
+        # A fresh prompt snapshots at its end, superseding the entry it extends.
+        hit = self.prefix_cache.lookup(context, take=request.fill_ids is None)
         if hit is not None:
             request.num_computed = hit.key_len
             if request.preemptions == 0:
@@ -266,6 +287,7 @@ class Scheduler:
     def update(self, result: StepResult) -> None:
         """Apply a step's outputs; one output that cannot be applied fails its request only."""
         self.counters.prefilled_tokens += result.prefill_tokens
+        self.pacer.observe(result)
         for output in result.outputs:
             try:
                 self._apply(output)
@@ -285,6 +307,10 @@ class Scheduler:
         request = self.by_id.get(output.request_id)
         if request is None or request.status.is_finished:
             return
+        if output.computed is not None:
+            # The runner holds the request's cache now (a hit's cache went into it).
+            request.num_computed = output.computed
+            request.cache = None
         if output.error is not None:
             request.error = output.error
             self._finish(request, RequestStatus.FINISHED_ERROR)
@@ -300,32 +326,31 @@ class Scheduler:
             logger.exception("prefix cache refused a snapshot of %d tokens", len(snapshot.key_ids))
 
     def _accept(self, request: Request, sampled: SampledRow) -> None:
+        """Append a sampled token. A request it ends got its `prompt + output`
+        snapshot from the run that sampled it (the same `FinishRule`)."""
         token = sampled.token
-        params = request.params
+        status = self.finish_rule.status(request, token)
         request.status = RequestStatus.RUNNING
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         request.output_ids.append(token)
         self.counters.generation_tokens += 1
-        if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:
-            self._finish(request, RequestStatus.FINISHED_STOPPED)
+        if status == RequestStatus.FINISHED_STOPPED:
+            self._finish(request, status, snapshotted=True)  # a stop token is not shown
             return
-        status = None
-        total = request.num_prompt + len(request.output_ids)
-        if len(request.output_ids) >= params.max_tokens or (
-            self.config.max_model_len is not None and total >= self.config.max_model_len
-        ):
-            status = RequestStatus.FINISHED_LENGTH
         if status is not None:
-            self._settle(request, status)
+            self._settle(request, status, snapshotted=True)
         self._outbox.append(self._event(request, token, sampled.logprob, sampled.top_logprobs))
 
-    def _finish(self, request: Request, status: RequestStatus) -> None:
+    def _finish(self, request: Request, status: RequestStatus, snapshotted: bool = False) -> None:
         """Finish without a further visible token (stop token, abort, error)."""
-        self._settle(request, status)
+        self._settle(request, status, snapshotted)
         self._outbox.append(self._event(request, None, None, None))
 
-    def _settle(self, request: Request, status: RequestStatus) -> None:
+    def _settle(self, request: Request, status: RequestStatus, snapshotted: bool = False) -> None:
+        """End a request. `snapshotted`: the run that sampled its last token took its
+        `prompt + output` snapshot already; otherwise (stopped from outside) the next
+        run takes it, before its cache is freed."""
         decoding = request.status == RequestStatus.RUNNING
         request.status = status
         self._remember(request)
@@ -338,7 +363,7 @@ class Scheduler:
                 RequestStatus.FINISHED_STOPPED,
                 RequestStatus.FINISHED_LENGTH,
             )
-            if self.prefix_cache is not None and finished_normally and decoding:
+            if self.prefix_cache is not None and finished_normally and decoding and not snapshotted:
                 # The last sampled token was never fed, so the cache holds one fewer.
                 key = request.prompt_ids + request.output_ids[:-1]
                 self._completed.append((request.request_id, key))
