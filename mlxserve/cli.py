@@ -155,11 +155,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.parsers:run")
 
-    p = bsub.add_parser("engine", help="engine overhead, batch scaling, chunked-prefill TTFT")
+    p = bsub.add_parser(
+        "engine", help="engine overhead, batch scaling, latency under a long prefill, warm TTFT"
+    )
     p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 model)")
     p.add_argument("--json", default=None)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--long-prompt", type=int, default=4096)
+    p.add_argument(
+        "--history-tokens",
+        type=int,
+        default=8192,
+        help="cached history behind warm_ttft_8k_over_cold_64's 64-token suffix",
+    )
     p.set_defaults(handler="mlxserve.bench.engine:run")
 
     p = bsub.add_parser("prefix-cache", help="cold vs warm TTFT and an 8-turn agent session")

@@ -299,3 +299,40 @@ def test_real_snapshot_hit_continues_like_a_full_prefill() -> None:
     assert again is not None and again.cache[0].offset == 30
     warm_again = model(mx.array([again.remaining]), cache=again.cache)[:, -1, :]
     assert mx.array_equal(warm_again, warm).item()
+
+
+def test_take_hands_a_superseded_leaf_over_without_copying() -> None:
+    copies: list[Any] = []
+
+    def counting_copy(snapshot: list[Any]) -> list[Any]:
+        copies.append(snapshot)
+        return list(snapshot)
+
+    pc = PrefixCache(10**9, 64, copy=counting_copy, offset=None)
+    stored = fake("turn-1")
+    pc.insert([1, 2, 3], stored, nbytes=10)
+    hit = pc.lookup([1, 2, 3, 4, 5], take=True)
+    assert hit is not None and hit.taken and hit.cache is stored
+    assert (hit.key_len, hit.remaining) == (3, [4, 5])
+    assert copies == [] and len(pc) == 0 and pc.nbytes == 0
+    s = pc.stats()
+    assert (s.hits, s.taken, s.tokens_reused) == (1, 1, 3)
+
+
+def test_take_shares_an_entry_that_others_branch_from() -> None:
+    pc = make_cache()
+    pc.insert([1, 2, 3, 4, 5], fake("a"), nbytes=1)
+    pc.insert([1, 2, 3, 7, 8], fake("b"), nbytes=1)
+    pc.insert([1, 2, 3], fake("system"), nbytes=1)
+    hit = pc.lookup([1, 2, 3, 9, 9], take=True)  # the branch point stays for the others
+    assert hit is not None and not hit.taken and hit.cache == ["system"]
+    assert len(pc) == 3 and pc.stats().taken == 0
+    # A trimmable entry used only in part is shared (and trimmed), never taken.
+    trimmed = PrefixCache(10**9, 64)
+    live = llama_model().make_cache()
+    logits = llama_model()(mx.array([[5, 6, 7, 8]]), cache=live)
+    mx.eval(logits)
+    trimmed.insert([5, 6, 7, 8], copy_cache(live))
+    part = trimmed.lookup([5, 6, 9, 9], take=True)
+    assert part is not None and not part.taken and part.key_len == 2
+    assert len(trimmed) == 1

@@ -1,7 +1,10 @@
-"""copy_cache / cache_nbytes / is_trimmable / cache_offset on every supported cache type.
+"""copy_cache / share_cache / cache_nbytes / is_trimmable / cache_offset on every
+supported cache type.
 
 Oracle: continuing generation from a copy gives the same logits as continuing
-from the original, even after the original has been written to in place.
+from the original, even after the original has been written to in place; a
+copy scheduled without waiting reads the values of the moment it was made; and
+continuing from shared handles leaves the snapshot as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from mlxserve.cache import (
     cache_offset,
     copy_cache,
     is_trimmable,
+    share_cache,
     trim_cache,
 )
 
@@ -193,7 +197,7 @@ def check_continues_identically(
     """Feed `before`, copy, keep writing into the original, then continue the copy."""
     live = make()
     feed(forward, live, before)
-    snap = copy_cache(live)
+    snap = copy_cache(live, wait=False)  # scheduled; the writes below come after it
     assert _layer_types(snap) == _layer_types(live)
     assert cache_offset(snap) == cache_offset(live) == sum(len(c) for c in before)
     nbytes = cache_nbytes(snap)
@@ -206,6 +210,12 @@ def check_continues_identically(
     assert_same_logits(feed(forward, reuse_1, CONTINUATION), expected)
     # The snapshot itself was untouched by the first reuse.
     assert_same_logits(feed(forward, reuse_2, CONTINUATION), expected)
+    # Shared handles (a prefix-cache hit) write through to nothing they share.
+    for _ in range(2):
+        shared = share_cache(snap)
+        assert _layer_types(shared) == _layer_types(snap)
+        assert_same_logits(feed(forward, shared, CONTINUATION), expected)
+    assert cache_nbytes(snap) == nbytes
     return snap
 
 

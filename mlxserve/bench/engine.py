@@ -1,188 +1,168 @@
-"""`mlxserve bench engine`: engine overhead, batch scaling, TTFT under a long prefill.
+"""`mlxserve bench engine`: engine overhead, batch scaling, latency under a long prefill,
+and the cost of a prefix-cache hit on a long history.
 
 Every ratio is measured side by side in one run, alternating the two sides.
+The baseline is the dependency's own loop on the same checkpoint (mlx-lm, or
+mlx-vlm for DeepSeek-V4; see `engine_refs.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mlxserve.bench.engine_refs import Reference, decode_rate, suffix_forward_s
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.request import SamplingParams
-from mlxserve.models.load import VLM_TYPES, load, read_config
-from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.load import load
 
 ROUNDS = 3
+LATENCY_ROUNDS = 3
 PROMPT_TOKENS = 32
+SUFFIX_TOKENS = 64
+_ids = itertools.count()
 
 
-def _decode_rate(first: float, last: float, tokens: int) -> float:
-    return (tokens - 1) / max(last - first, 1e-9)
-
-
-async def _engine_stream(engine: AsyncEngine, prompt: list[int], tokens: int) -> tuple[float, ...]:
-    """(submit time, first token time, last token time) of one request."""
+async def _stamps(engine: AsyncEngine, prompt: list[int], tokens: int) -> tuple[float, list[float]]:
+    """(submit time, the time each token arrived) of one request."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)
     submitted = time.perf_counter()
-    first = last = 0.0
-    async for event in engine.submit(prompt, params):
-        now = time.perf_counter()
-        if event.token_id is not None and first == 0.0:
-            first = now
-        last = now
-    return submitted, first, last
-
-
-def _mlx_lm_rate(model: LoadedModel, prompt: list[int], tokens: int) -> float:
-    from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
-
     stamps = []
-    for _ in stream_generate(
-        model.model.module, model.tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)
-    ):
-        stamps.append(time.perf_counter())
-    return _decode_rate(stamps[0], stamps[-1], len(stamps))
+    async for event in engine.submit(prompt, params):
+        if event.token_id is not None:
+            stamps.append(time.perf_counter())
+    return submitted, stamps
 
 
-def _mlx_lm_batch_rate(model: LoadedModel, prompts: list[list[int]], tokens: int) -> float:
-    """Aggregate decode tokens/s of mlx-lm's BatchGenerator on the same prompts."""
-    from mlx_lm.generate import BatchGenerator
-
-    generator = BatchGenerator(model.model.module, max_tokens=tokens, stop_tokens=[])
-    generator.insert(prompts, [tokens] * len(prompts))
-    produced = 0
-    start = 0.0
-    while produced < tokens * len(prompts):
-        responses = generator.next_generated()
-        if not responses:
-            break
-        if start == 0.0:
-            start = time.perf_counter()
-            produced -= len(responses)
-        produced += len(responses)
-    elapsed = time.perf_counter() - start
-    generator.close()
-    return produced / max(elapsed, 1e-9)
+async def _rate(engine: AsyncEngine, prompt: list[int], tokens: int) -> float:
+    _, stamps = await _stamps(engine, prompt, tokens)
+    return decode_rate(stamps[0], stamps[-1], len(stamps))
 
 
 async def _batch_rate(engine: AsyncEngine, prompts: list[list[int]], tokens: int) -> float:
-    results = await asyncio.gather(*(_engine_stream(engine, p, tokens) for p in prompts))
-    first = max(r[1] for r in results)
-    last = max(r[2] for r in results)
-    # Count only tokens produced while every stream was decoding.
-    produced = sum(tokens - 1 for _ in results) - sum(
-        _tokens_before(first, r, tokens) for r in results
-    )
+    """Aggregate tokens/s from the moment every stream was decoding to the last token."""
+    results = await asyncio.gather(*(_stamps(engine, p, tokens) for p in prompts))
+    first = max(stamps[0] for _, stamps in results)
+    last = max(stamps[-1] for _, stamps in results)
+    produced = sum(sum(1 for t in stamps if t > first) for _, stamps in results)
     return produced / max(last - first, 1e-9)
 
 
-def _tokens_before(moment: float, result: tuple[float, ...], tokens: int) -> int:
-    _, first, last = result
-    if moment <= first:
-        return 0
-    return int((tokens - 1) * min(1.0, (moment - first) / max(last - first, 1e-9)))
-
-
 async def _ttft(engine: AsyncEngine, prompt: list[int]) -> float:
-    submitted, first, _ = await _engine_stream(engine, prompt, 2)
-    return first - submitted
+    submitted, stamps = await _stamps(engine, prompt, 2)
+    return stamps[0] - submitted
 
 
 async def _ttft_under_long_prefill(engine: AsyncEngine, long: list[int], short: list[int]) -> float:
-    long_task = asyncio.create_task(_engine_stream(engine, long, 2))
+    long_task = asyncio.create_task(_stamps(engine, long, 2))
     await asyncio.sleep(0.05)
     ttft = await _ttft(engine, short)
     await long_task
     return ttft
 
 
-class _Reference:
-    """mlx-lm's own loops on a second copy of the model, all on one dedicated thread."""
-
-    def __init__(self, path: Path) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlx-lm-reference")
-        self.model: LoadedModel | None = None
-        self._path = path
-
-    async def call(self, fn: Any, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        if self.model is None:
-            self.model = await loop.run_in_executor(self._pool, load, self._path)
-        return await loop.run_in_executor(self._pool, fn, self.model, *args)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)
+async def _solo_itl(engine: AsyncEngine, prompt: list[int], tokens: int) -> float:
+    _, stamps = await _stamps(engine, prompt, tokens)
+    return statistics.median(b - a for a, b in itertools.pairwise(stamps))
 
 
-async def _measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
-    engine = AsyncEngine(EngineConfig(prefix_cache=False), lambda: load(path))
+async def _itl_under_long_prefill(engine: AsyncEngine, long: list[int], short: list[int]) -> float:
+    """Median gap between a decoding stream's tokens while a long prompt prefills."""
+    request_id = f"bench-decoder-{next(_ids)}"
+    params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
+    stamps: list[float] = []
+    window: list[float] = []
+
+    async def decoder() -> None:
+        async for event in engine.submit(short, params, request_id):
+            if event.token_id is not None:
+                stamps.append(time.perf_counter())
+
+    task = asyncio.create_task(decoder())
+    while len(stamps) < 4:
+        await asyncio.sleep(0.005)
+    submitted, long_stamps = await _stamps(engine, long, 1)
+    window = [t for t in stamps if submitted <= t <= long_stamps[0]]
+    engine.abort(request_id)
+    await task
+    gaps = [b - a for a, b in itertools.pairwise(window)]
+    return statistics.median(gaps) if gaps else long_stamps[0] - submitted
+
+
+async def _started(config: EngineConfig, path: Path) -> AsyncEngine:
+    engine = AsyncEngine(config, lambda: load(path))
     engine.start()
     await engine.wait_ready()
-    model = engine.model
-    if model.model_type in VLM_TYPES:
-        raise SystemExit(
-            f"bench engine compares against mlx-lm, which cannot run {model.model_type}"
-        )
-    reference = _Reference(path)
-    vocab = model.vocab_size
-    prompt = [(i * 7919 + 13) % vocab for i in range(PROMPT_TOKENS)]
-    prompts = [[(i * 104729 + j * 31 + 5) % vocab for i in range(PROMPT_TOKENS)] for j in range(8)]
-    long = [(i * 7 + 3) % vocab for i in range(args.long_prompt)]
-    tokens = args.tokens
-    ours, theirs, single, batched, alone, contended = [], [], [], [], [], []
-    try:
-        await _engine_stream(engine, prompt, 4)  # warm-up
-        for _ in range(ROUNDS):
-            _, first, last = await _engine_stream(engine, prompt, tokens)
-            ours.append(_decode_rate(first, last, tokens))
-            theirs.append(await reference.call(_mlx_lm_rate, prompt, tokens))
-            single.append(ours[-1])
-            batched.append(await _batch_rate(engine, prompts, tokens))
-        mlx_lm_single = statistics.median(theirs)
-        mlx_lm_batched = await reference.call(_mlx_lm_batch_rate, prompts, tokens)
-        for _ in range(2):
-            alone.append(await _ttft(engine, prompt))
-            contended.append(await _ttft_under_long_prefill(engine, long, prompt))
-    finally:
-        await engine.shutdown()
-        reference.close()
-    unchunked = await _unchunked_ttft_ratio(path, long, prompt)
+    return engine
+
+
+def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    return [[(i * 104729 + j * 31 + seed) % vocab for i in range(length)] for j in range(count)]
+
+
+async def _throughput(
+    engine: AsyncEngine, reference: Reference, vocab: int, tokens: int
+) -> dict[str, Any]:
+    prompt = _prompts(vocab, 1, PROMPT_TOKENS, 13)[0]
+    prompts = _prompts(vocab, 8, PROMPT_TOKENS, 5)
+    ours, theirs, batched_8, batched_4 = [], [], [], []
+    await _rate(engine, prompt, 4)  # warm-up
+    for _ in range(ROUNDS):
+        ours.append(await _rate(engine, prompt, tokens))
+        theirs.append(await reference.rate(prompt, tokens))
+        batched_8.append(await _batch_rate(engine, prompts, tokens))
+        batched_4.append(await _batch_rate(engine, prompts[:4], tokens))
+    single, baseline = statistics.median(ours), statistics.median(theirs)
+    figures: dict[str, Any] = {
+        "baseline": reference.name,
+        "engine_tokens_per_s": single,
+        "mlx_lm_tokens_per_s": baseline,
+        "engine_efficiency": single / baseline,
+        "batch_4_tokens_per_s": statistics.median(batched_4),
+        "batch_scaling_4": statistics.median(batched_4) / single,
+        "batch_8_tokens_per_s": statistics.median(batched_8),
+        "batch_scaling_8": statistics.median(batched_8) / single,
+    }
+    if reference.has_batch_generator:
+        theirs_8 = await reference.batch_rate(prompts, tokens)
+        figures["mlx_lm_batch_8_tokens_per_s"] = theirs_8
+        figures["mlx_lm_batch_scaling_8"] = theirs_8 / baseline
+        figures["batch_8_vs_mlx_lm_batch_generator"] = figures["batch_8_tokens_per_s"] / theirs_8
+    return figures
+
+
+async def _latency(engine: AsyncEngine, vocab: int, long: list[int]) -> dict[str, Any]:
+    """TTFT of a short prompt and ITL of a stream while a long prompt prefills, vs alone."""
+    short = _prompts(vocab, 1, PROMPT_TOKENS, 17)[0]
+    alone, contended, itl_alone, itl_contended = [], [], [], []
+    for _ in range(LATENCY_ROUNDS):
+        alone.append(await _ttft(engine, short))
+        contended.append(await _ttft_under_long_prefill(engine, long, short))
+        itl_alone.append(await _solo_itl(engine, short, 16))
+        itl_contended.append(await _itl_under_long_prefill(engine, long, short))
     return {
-        "model_type": model.model_type,
-        "hidden_size": model.config.get("hidden_size"),
-        "decode_tokens": tokens,
-        "engine_tokens_per_s": statistics.median(ours),
-        "mlx_lm_tokens_per_s": mlx_lm_single,
-        "engine_efficiency": statistics.median(ours) / mlx_lm_single,
-        "batch_8_tokens_per_s": statistics.median(batched),
-        "batch_scaling_8": statistics.median(batched) / statistics.median(single),
-        "mlx_lm_batch_8_tokens_per_s": mlx_lm_batched,
-        "mlx_lm_batch_scaling_8": mlx_lm_batched / mlx_lm_single,
         "long_prompt_tokens": len(long),
         "short_ttft_alone_s": statistics.median(alone),
         "short_ttft_under_long_prefill_s": statistics.median(contended),
         "short_ttft_under_long_prefill": statistics.median(contended) / statistics.median(alone),
-        "short_ttft_under_long_prefill_unchunked": unchunked,
-        "batch_8_vs_mlx_lm_batch_generator": statistics.median(batched) / mlx_lm_batched,
+        "itl_alone_s": statistics.median(itl_alone),
+        "itl_under_long_prefill_s": statistics.median(itl_contended),
+        "itl_under_long_prefill": statistics.median(itl_contended) / statistics.median(itl_alone),
     }
 
 
 async def _unchunked_ttft_ratio(path: Path, long: list[int], short: list[int]) -> float:
     """The same TTFT ratio with chunking off, for comparison."""
-    config = EngineConfig(prefix_cache=False, max_prefill_tokens=len(long) + len(short))
-    engine = AsyncEngine(config, lambda: load(path))
-    engine.start()
-    await engine.wait_ready()
+    config = EngineConfig(prefix_cache=False, max_num_batched_tokens=len(long) + len(short))
+    engine = await _started(config, path)
     try:
         await _ttft(engine, short)
         alone = await _ttft(engine, short)
@@ -192,14 +172,66 @@ async def _unchunked_ttft_ratio(path: Path, long: list[int], short: list[int]) -
     return contended / alone
 
 
+async def _warm_ttft_ratio(path: Path, vocab: int, history_tokens: int) -> dict[str, Any]:
+    """TTFT of a 64-token new suffix on a cached long history / TTFT of a cold 64-token prompt."""
+    config = EngineConfig(prefix_cache_bytes=1 << 32)
+    engine = await _started(config, path)
+    history = prompt = [(i * 7 + 11) % vocab for i in range(history_tokens)]
+    warm, cold = [], []
+    try:
+        await _ttft(engine, _prompts(vocab, 1, SUFFIX_TOKENS, 3)[0])  # warm-up
+        _, stamps = await _stamps(engine, prompt, 1)
+        for turn in range(ROUNDS):
+            cold.append(await _ttft(engine, _prompts(vocab, 1, SUFFIX_TOKENS, 101 + turn)[0]))
+            prompt = prompt + _prompts(vocab, 1, SUFFIX_TOKENS, 201 + turn)[0]
+            warm.append(await _ttft(engine, prompt))
+        hits = engine.stats()["prefix_cache"]["hits"]
+    finally:
+        await engine.shutdown()
+    suffix = _prompts(vocab, 1, SUFFIX_TOKENS, 201)[0]
+    floor = await asyncio.to_thread(suffix_forward_s, path, history, suffix)
+    return {
+        "history_tokens": history_tokens,
+        "warm_ttft_8k_s": statistics.median(warm),
+        "cold_ttft_64_s": statistics.median(cold),
+        "warm_ttft_8k_over_cold_64": statistics.median(warm) / statistics.median(cold),
+        # The bare forward of the suffix on a ready cache: what attention over the
+        # history costs by itself, with nothing copied or looked up.
+        "suffix_forward_on_8k_s": floor,
+        "warm_ttft_8k_over_suffix_forward": statistics.median(warm) / floor,
+        "warm_hits": hits,
+    }
+
+
+async def _measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    engine = await _started(EngineConfig(prefix_cache=False), path)
+    model = engine.model
+    vocab = model.vocab_size
+    reference = Reference(path)
+    long = [(i * 7 + 3) % vocab for i in range(args.long_prompt)]
+    figures: dict[str, Any] = {
+        "model_type": model.model_type,
+        "hidden_size": model.config.get("hidden_size"),
+        "decode_tokens": args.tokens,
+    }
+    try:
+        figures.update(await _throughput(engine, reference, vocab, args.tokens))
+        figures.update(await _latency(engine, vocab, long))
+    finally:
+        await engine.shutdown()
+        reference.close()
+    short = _prompts(vocab, 1, PROMPT_TOKENS, 17)[0]
+    figures["short_ttft_under_long_prefill_unchunked"] = await _unchunked_ttft_ratio(
+        path, long, short
+    )
+    figures.update(await _warm_ttft_ratio(path, vocab, args.history_tokens))
+    return figures
+
+
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             path = Path(args.model)
-            model_type = read_config(path)["model_type"]
-            if model_type in VLM_TYPES:
-                print(f"bench engine compares with mlx-lm, which cannot run {model_type}")
-                return 2
         else:
             from mlxserve.models.synthetic import make_model
 

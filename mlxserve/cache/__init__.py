@@ -7,6 +7,7 @@ from mlxserve.cache.snapshot import (
     cache_offset,
     copy_cache,
     is_trimmable,
+    share_cache,
     tracked_offset,
     trim_cache,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "cache_offset",
     "copy_cache",
     "is_trimmable",
+    "share_cache",
     "tracked_offset",
     "trim_cache",
 ]

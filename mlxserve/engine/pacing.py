@@ -7,6 +7,10 @@ per decode step; moving averages) and sizes the prefill so a step takes about
 the target time: `--max-step-ms`, or by default `STEP_TIME_FACTOR` times a
 decode step, so a streaming client's inter-token latency stays within a small
 multiple of its solo latency while a long prompt prefills beside it.
+
+A prompt that prefills alone gets `ALONE_FACTOR` times that target: nobody
+waits on its step yet, but a request that arrives now waits for the step in
+flight before it can join the next one, so that step must stay short too.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from mlxserve.engine.plan import StepResult
 
 # Default step target, in decode steps: inter-token latency during a long
 # prefill stays about this many times the solo one.
-STEP_TIME_FACTOR = 2.0
+STEP_TIME_FACTOR = 1.5
+# A prompt prefilling with nothing else running: this many step targets a chunk.
+ALONE_FACTOR = 3.0
 # The weight of the newest measurement in the moving averages.
 SMOOTHING = 0.3
 # A chunk is never cut below this (small chunks waste the prefill's batching).
@@ -54,13 +60,16 @@ class Pacer:
             return None
         return STEP_TIME_FACTOR * self.decode_step_s
 
-    def prefill_tokens(self, decoding: bool) -> int | None:
-        """Prompt tokens a step may feed while others wait (None: no bound known yet).
+    def prefill_tokens(self, decoding: bool, alone: bool = False) -> int | None:
+        """Prompt tokens a step may feed (None: no bound known yet).
 
         `decoding`: the step also runs the decode batch, whose time comes first.
+        `alone`: no other request runs or waits (see the module doc).
         """
         target, per_token = self.target_s, self.prefill_s_per_token
         if target is None or per_token is None:
             return None
+        if alone:
+            target *= ALONE_FACTOR
         left = target - ((self.decode_step_s or 0.0) if decoding else 0.0)
         return max(MIN_CHUNK_TOKENS, math.floor(left / per_token))

@@ -153,7 +153,7 @@ class Scheduler:
         # One token per decode row comes out of the budget; a prefill always progresses.
         budget = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
         others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
-        paced = self.pacer.prefill_tokens(bool(plan.decodes)) if others else None
+        paced = self.pacer.prefill_tokens(bool(plan.decodes), alone=not others)
         for request in prefilling:
             allowed = budget if paced is None else min(budget, paced)
             if allowed <= 0:

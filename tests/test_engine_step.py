@@ -1,0 +1,94 @@
+"""One step is schedule -> run -> update: decode rows and prefill chunks in one run,
+rows that join mid-prefill, paced chunks; greedy identity with single runs is the oracle."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from engine_helpers import ModelWrapper, run_requests, tokens_of
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.runner import Runner
+from mlxserve.engine.scheduler import Scheduler
+from mlxserve.models.generate import greedy_generate
+from mlxserve.models.load import load
+
+
+class Counting(ModelWrapper):
+    """Counts model calls and the rows and tokens of each."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls: list[tuple[int, int]] = []
+
+    def check(self, inputs: mx.array) -> None:
+        self.calls.append((int(inputs.shape[0]), int(inputs.shape[1])))
+
+
+def _ids(seed: int, count: int) -> list[int]:
+    return [(seed * 7919 + i * 104_729) % 120_000 + 100 for i in range(count)]
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_a_step_is_three_calls_over_decode_rows_and_chunks(family: str, model_dir_factory) -> None:
+    """Driven by hand on this thread: each step is one schedule, one run, one update;
+    a step that both decodes and prefills runs one decode forward plus its chunks."""
+    model = load(model_dir_factory(family))
+    expected = {
+        "a": greedy_generate(model, _ids(1, 5), 12),
+        "b": greedy_generate(model, _ids(2, 70), 4),
+        "c": greedy_generate(model, _ids(3, 9), 6),
+    }
+    counting = Counting(model.model)
+    model.model = counting
+    config = EngineConfig(max_num_batched_tokens=24, prefix_cache=False)
+    scheduler = Scheduler(config, model.eos_token_ids)
+    runner = Runner(model)
+    prompts = {"a": _ids(1, 5), "b": _ids(2, 70), "c": _ids(3, 9)}
+    limits = {"a": 12, "b": 4, "c": 6}
+    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+    arrivals = {0: ["a"], 2: ["b"], 4: ["c"]}  # b and c join while a decodes
+    mixed = 0
+    for step in range(200):
+        for rid in arrivals.get(step, []):
+            params = SamplingParams(max_tokens=limits[rid])
+            scheduler.add(Request(rid, prompts[rid], params, arrival_time=float(step)))
+        if not scheduler.running and not scheduler.waiting:
+            break
+        plan = scheduler.schedule()
+        before = len(counting.calls)
+        result = runner.run(plan)
+        scheduler.update(result)
+        calls = counting.calls[before:]
+        if plan.decodes and plan.prefills:
+            mixed += 1
+            # One forward over every decode row, then one per prefill chunk.
+            assert calls[0] == (len(plan.decodes), 1)
+            assert len(calls) == 1 + len(plan.prefills)
+        assert plan.num_tokens <= config.max_num_batched_tokens
+        for event in scheduler.take_events():
+            if event.token_id is not None:
+                produced[event.request_id].append(event.token_id)
+    assert mixed > 0
+    assert produced == expected
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v4"])
+def test_paced_chunks_keep_greedy_identity(family: str, model_dir_factory) -> None:
+    """A tiny step target cuts prompts into minimum-size chunks while others decode;
+    short prompts join mid-prefill; every output equals its single run."""
+    path = model_dir_factory(family)
+    model = load(path)
+    prompts = [_ids(4, 150), _ids(5, 6), _ids(6, 40), _ids(7, 3)]
+    max_tokens = [5, 10, 6, 8]
+    expected = [greedy_generate(model, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
+    jobs = [
+        (p, SamplingParams(max_tokens=n), delay)
+        for p, n, delay in zip(prompts, max_tokens, [0.0, 0.0, 0.05, 0.1], strict=True)
+    ]
+    config = EngineConfig(max_num_batched_tokens=64, max_step_ms=0.001, prefix_cache=False)
+    results = run_requests(config, lambda: load(path), jobs)
+    assert [tokens_of(events) for events in results] == expected
