@@ -146,7 +146,7 @@ async def _latency(engine: AsyncEngine, vocab: int, long: list[int]) -> dict[str
     for _ in range(LATENCY_ROUNDS):
         alone.append(await _ttft(engine, short))
         contended.append(await _ttft_under_long_prefill(engine, long, short))
-        itl_alone.append(await _solo_itl(engine, short, 16))
+        itl_alone.append(await _solo_itl(engine, short, 32))
         itl_contended.append(await _itl_under_long_prefill(engine, long, short))
     return {
         "long_prompt_tokens": len(long),

@@ -23,7 +23,7 @@ from mlxserve.engine.plan import StepResult
 # prefill stays about this many times the solo one.
 STEP_TIME_FACTOR = 1.5
 # A prompt prefilling with nothing else running: this many step targets a chunk.
-ALONE_FACTOR = 3.0
+ALONE_FACTOR = 2.0
 # The weight of the newest measurement in the moving averages.
 SMOOTHING = 0.3
 # A chunk is never cut below this (small chunks waste the prefill's batching).

@@ -127,6 +127,9 @@ class Runner:
                 ", ".join(kinds),
             )
         self.caches: dict[str, list[Any]] = {}
+        # Prefilled requests that join the decode batch at the start of the next run
+        # (merging waits until their first token is out).
+        self.joining: list[str] = []
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self._snapshots_supported = True
@@ -146,6 +149,7 @@ class Runner:
             self._check(faults.RELEASE, request_ids)
             self.batch.remove(gone)
         finally:
+            self.joining = [rid for rid in self.joining if rid not in gone]
             for request_id in gone:
                 self.caches.pop(request_id, None)
                 self.samplers.pop(request_id, None)
@@ -155,12 +159,14 @@ class Runner:
         if not request_ids:
             return
         self.batch.remove(set(request_ids))
+        self.joining = [rid for rid in self.joining if rid not in request_ids]
         for request_id in request_ids:
             self.caches.pop(request_id, None)
 
     def reset(self) -> None:
         """Forget every request (after a failure left the batch in an unknown state)."""
         self.caches.clear()
+        self.joining = []
         self.samplers.clear()
         self.batch = DecodeBatch()
         mx.clear_cache()
@@ -207,6 +213,7 @@ class Runner:
     def run(self, plan: StepPlan) -> StepResult:
         """One step: free, decode every running row in one forward, feed the chunks."""
         result = StepResult()
+        self._join(set(plan.released), result)
         try:
             self._snapshot_completed(plan.completed, result)
         finally:
@@ -219,6 +226,18 @@ class Runner:
         for chunk in plan.prefills:
             self._prefill(chunk, result)
         return result
+
+    def _join(self, released: set[str], result: StepResult) -> None:
+        """Merge last step's finished prefills into the decode batch (not those released)."""
+        joining = [rid for rid in self.joining if rid not in released]
+        self.joining = [rid for rid in self.joining if rid in released]
+        for request_id in joining:
+            try:
+                self.batch.add(request_id, self.caches.pop(request_id))
+            except Exception as e:  # a failing merge fails its request, not the step
+                logger.exception("request %s could not join the decode batch", request_id)
+                self._forget([request_id])
+                result.outputs.append(RequestOutput(request_id, error=_describe(e)))
 
     def _release_finished(self, request_ids: list[str], result: StepResult) -> None:
         try:
@@ -257,7 +276,7 @@ class Runner:
                 output.snapshot = self._snapshot(context[: chunk.end], cache, rid)
             result.outputs.append(output)
             if chunk.is_last and self.batchable:
-                self.batch.add(rid, self.caches.pop(rid))
+                self.joining.append(rid)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
             self._forget([rid])
@@ -274,9 +293,12 @@ class Runner:
         if not self.completion_snapshots:
             return
         for request_id, key_ids in completed:
-            if request_id not in self.batch.request_ids:
+            if request_id in self.batch.request_ids:
+                snapshot = self._row_snapshot(request_id, key_ids)
+            elif request_id in self.caches:  # it had not joined the batch yet
+                snapshot = self._own_snapshot(request_id, key_ids)
+            else:
                 continue
-            snapshot = self._row_snapshot(request_id, key_ids)
             if snapshot is not None:
                 result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
 
@@ -289,6 +311,14 @@ class Runner:
         except Exception:  # the request is finishing; only its prefix-cache entry is lost
             logger.exception("snapshot of finished request %s failed", request_id)
             mx.clear_cache()
+            return None
+
+    def _own_snapshot(self, request_id: str, key_ids: list[int]) -> Snapshot | None:
+        """A snapshot of a request's own cache (None if it fails: only the entry is lost)."""
+        try:
+            return self._snapshot(key_ids, self.caches[request_id], request_id)
+        except Exception:  # the request is finishing; only its prefix-cache entry is lost
+            logger.exception("snapshot of finished request %s failed", request_id)
             return None
 
     def _snapshot(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:
