@@ -2,13 +2,18 @@
 
 While other requests decode or wait, a step that feeds a long prompt's chunk
 holds back every stream's next token until it ends. The pacer learns this
-model's speed from the steps it has run (seconds per prefill token, seconds
-per decode step; moving averages) and sizes the prefill so a step takes about
-the target time: `--max-step-ms`, or by default `STEP_TIME_FACTOR` times a
-decode step, so a streaming client's inter-token latency stays within a small
-multiple of its solo latency while a long prompt prefills beside it.
+model's speed from the steps it has run and sizes the prefill so a step takes
+about the target time: `--max-step-ms`, or by default `STEP_TIME_FACTOR`
+times a decode step, so a streaming client's inter-token latency stays within
+a small multiple of its solo latency while a long prompt prefills beside it.
 
-A prompt that prefills alone gets `ALONE_FACTOR` times that target: nobody
+A prefill forward costs a fixed part (weights read, per-layer overhead) plus
+a part per token (which grows with the context, through attention): the pacer
+fits `seconds = fixed + per_token * tokens` to recent chunk forwards
+(exponentially weighted least squares), so small chunks are sized as well as
+large ones.
+
+A prompt that prefills alone gets `ALONE_FACTOR` times the target: nobody
 waits on its step yet, but a request that arrives now waits for the step in
 flight before it can join the next one, so that step must stay short too.
 """
@@ -19,37 +24,61 @@ import math
 
 from mlxserve.engine.plan import StepResult
 
-# Default step target, in decode steps: inter-token latency during a long
-# prefill stays about this many times the solo one.
-STEP_TIME_FACTOR = 1.5
+# Default step target, in decode steps: a decoding stream gets about half of
+# each step while a long prompt prefills beside it.
+STEP_TIME_FACTOR = 2.0
 # A prompt prefilling with nothing else running: this many step targets a chunk.
 ALONE_FACTOR = 2.0
 # The weight of the newest measurement in the moving averages.
-SMOOTHING = 0.3
-# A chunk is never cut below this (small chunks waste the prefill's batching).
-MIN_CHUNK_TOKENS = 16
-# Prefill forwards shorter than this say little about the per-token cost.
-MIN_SAMPLE_TOKENS = 8
+SMOOTHING = 0.2
+# A chunk is never cut below this, so a long prompt always progresses.
+MIN_CHUNK_TOKENS = 4
 
 
-def _blend(old: float | None, new: float) -> float:
-    return new if old is None else old + SMOOTHING * (new - old)
+class _Fit:
+    """Exponentially weighted least squares of seconds against tokens."""
+
+    def __init__(self) -> None:
+        self.n = self.t = self.nn = self.nt = 0.0
+        self.samples = 0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        w = 1.0 if self.samples == 0 else SMOOTHING
+        self.n += w * (tokens - self.n)
+        self.t += w * (seconds - self.t)
+        self.nn += w * (tokens * tokens - self.nn)
+        self.nt += w * (tokens * seconds - self.nt)
+        self.samples += 1
+
+    def line(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per token), or None before any sample."""
+        if self.samples == 0 or self.n <= 0:
+            return None
+        var = self.nn - self.n * self.n
+        if var > 1e-6 * self.n * self.n:
+            slope = (self.nt - self.n * self.t) / var
+            fixed = self.t - slope * self.n
+            if slope > 0 and fixed >= 0:
+                return fixed, slope
+        return 0.0, self.t / self.n  # one chunk size seen so far: all per token
 
 
 class Pacer:
-    """Moving averages of this model's step costs, and the prefill tokens a step can afford."""
+    """Moving estimates of this model's step costs, and the prefill tokens a step can afford."""
 
     def __init__(self, max_step_ms: float | None = None) -> None:
         self.max_step_s = None if max_step_ms is None else max_step_ms / 1000.0
-        self.prefill_s_per_token: float | None = None
+        self._prefill = _Fit()
         self.decode_step_s: float | None = None
 
     def observe(self, result: StepResult) -> None:
-        if result.prefill_tokens >= MIN_SAMPLE_TOKENS and result.prefill_s > 0:
-            per_token = result.prefill_s / result.prefill_tokens
-            self.prefill_s_per_token = _blend(self.prefill_s_per_token, per_token)
+        for tokens, seconds in result.prefill_chunks:
+            if tokens > 0 and seconds > 0:
+                self._prefill.add(tokens, seconds)
         if result.decode_tokens and result.decode_s > 0:
-            self.decode_step_s = _blend(self.decode_step_s, result.decode_s)
+            old = self.decode_step_s
+            new = result.decode_s
+            self.decode_step_s = new if old is None else old + SMOOTHING * (new - old)
 
     @property
     def target_s(self) -> float | None:
@@ -60,16 +89,36 @@ class Pacer:
             return None
         return STEP_TIME_FACTOR * self.decode_step_s
 
-    def prefill_tokens(self, decoding: bool, alone: bool = False) -> int | None:
-        """Prompt tokens a step may feed (None: no bound known yet).
+    def prefill_budget_s(self, decoding: bool, alone: bool = False) -> float | None:
+        """Seconds of prefill forwards a step may run (None: no bound known yet).
 
         `decoding`: the step also runs the decode batch, whose time comes first.
         `alone`: no other request runs or waits (see the module doc).
         """
-        target, per_token = self.target_s, self.prefill_s_per_token
-        if target is None or per_token is None:
+        target = self.target_s
+        if target is None or self._prefill.line() is None:
             return None
         if alone:
             target *= ALONE_FACTOR
-        left = target - ((self.decode_step_s or 0.0) if decoding else 0.0)
-        return max(MIN_CHUNK_TOKENS, math.floor(left / per_token))
+        return target - ((self.decode_step_s or 0.0) if decoding else 0.0)
+
+    def tokens_within(self, seconds: float) -> int:
+        """The longest chunk whose forward fits in `seconds` (0 if none does)."""
+        line = self._prefill.line()
+        assert line is not None
+        fixed, per_token = line
+        return max(0, math.floor((seconds - fixed) / per_token))
+
+    def cost_s(self, tokens: int) -> float:
+        """The expected seconds of one chunk forward of `tokens` tokens."""
+        line = self._prefill.line()
+        assert line is not None
+        fixed, per_token = line
+        return fixed + per_token * tokens
+
+    def prefill_tokens(self, decoding: bool, alone: bool = False) -> int | None:
+        """Tokens of one chunk a step may feed, at least MIN_CHUNK_TOKENS (None: no bound)."""
+        budget = self.prefill_budget_s(decoding, alone)
+        if budget is None:
+            return None
+        return max(MIN_CHUNK_TOKENS, self.tokens_within(budget))

@@ -115,8 +115,9 @@ class StepResult:
     outputs: list[RequestOutput] = field(default_factory=list)
     prefill_tokens: int = 0
     decode_tokens: int = 0
-    # Wall time of the forwards (through sampling), for the scheduler's pacing.
-    prefill_s: float = 0.0
+    # Wall time of the forwards (through sampling), for the scheduler's pacing:
+    # (tokens, seconds) of each prefill chunk's forward, and the decode forwards.
+    prefill_chunks: list[tuple[int, float]] = field(default_factory=list)
     decode_s: float = 0.0
     # Finished requests whose caches could not be freed (the engine recovers them).
     unreleased: list[str] = field(default_factory=list)

@@ -270,7 +270,7 @@ class Runner:
                 output.sampled = self._sample(logits, [request])[0]
             else:
                 mx.eval(logits)
-            result.prefill_s += time.perf_counter() - started
+            result.prefill_chunks.append((chunk.num_tokens, time.perf_counter() - started))
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
                 output.snapshot = self._snapshot(context[: chunk.end], cache, rid)

@@ -17,7 +17,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget
-from mlxserve.engine.pacing import Pacer
+from mlxserve.engine.pacing import MIN_CHUNK_TOKENS, Pacer
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -148,21 +148,32 @@ class Scheduler:
         return plan
 
     def _plan_prefills(self, plan: StepPlan) -> None:
+        """Chunks within the token budget and, while others decode or wait, the pacer's time.
+
+        Each chunk is its own forward, with a fixed cost of its own: once a chunk
+        is planned, the next one is planned only if it fits in the time left.
+        """
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)
         # One token per decode row comes out of the budget; a prefill always progresses.
         budget = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
         others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
-        paced = self.pacer.prefill_tokens(bool(plan.decodes), alone=not others)
+        pacer = self.pacer
+        left = pacer.prefill_budget_s(bool(plan.decodes), alone=not others)
         for request in prefilling:
-            allowed = budget if paced is None else min(budget, paced)
+            allowed = budget
+            if left is not None:
+                fits = pacer.tokens_within(left)
+                if plan.prefills and fits < min(MIN_CHUNK_TOKENS, request.prefill_remaining):
+                    break
+                allowed = min(budget, max(fits, MIN_CHUNK_TOKENS))
             if allowed <= 0:
                 break
             chunk = self._next_chunk(request, allowed)
             plan.prefills.append(chunk)
             budget -= chunk.num_tokens
-            if paced is not None:
-                paced -= chunk.num_tokens
+            if left is not None:
+                left -= pacer.cost_s(chunk.num_tokens)
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
