@@ -92,3 +92,31 @@ def test_paced_chunks_keep_greedy_identity(family: str, model_dir_factory) -> No
     config = EngineConfig(max_num_batched_tokens=64, max_step_ms=0.001, prefix_cache=False)
     results = run_requests(config, lambda: load(path), jobs)
     assert [tokens_of(events) for events in results] == expected
+
+
+def test_whole_prompts_that_arrive_together_prefill_in_one_forward(model_dir_factory) -> None:
+    model = load(model_dir_factory("llama"))
+    prompts = {"a": _ids(8, 20), "b": _ids(9, 17), "c": _ids(10, 14), "tiny": _ids(11, 2)}
+    expected = {rid: greedy_generate(model, p, 5) for rid, p in prompts.items()}
+    counting = Counting(model.model)
+    model.model = counting
+    scheduler = Scheduler(EngineConfig(prefix_cache=False), model.eos_token_ids)
+    runner = Runner(model)
+    for rid, prompt in prompts.items():
+        scheduler.add(Request(rid, prompt, SamplingParams(max_tokens=5), arrival_time=0.0))
+    produced: dict[str, list[int]] = {rid: [] for rid in prompts}
+    first = True
+    while scheduler.running or scheduler.waiting:
+        plan = scheduler.schedule()
+        before = len(counting.calls)
+        scheduler.update(runner.run(plan))
+        if first:
+            # a, b and c share one left-padded forward; the 2-token prompt would
+            # pad it too much and prefills alone.
+            assert len(plan.prefills) == 4
+            assert sorted(counting.calls[before:]) == [(1, 2), (3, 20)]
+            first = False
+        for event in scheduler.take_events():
+            if event.token_id is not None:
+                produced[event.request_id].append(event.token_id)
+    assert produced == expected

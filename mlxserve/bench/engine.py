@@ -162,8 +162,9 @@ async def _latency(engine: AsyncEngine, vocab: int, long: list[int]) -> dict[str
 
 
 async def _unchunked_ttft_ratio(path: Path, long: list[int], short: list[int]) -> float:
-    """The same TTFT ratio with chunking off, for comparison."""
-    config = EngineConfig(prefix_cache=False, max_num_batched_tokens=len(long) + len(short))
+    """The same TTFT ratio with chunking off (one budget for the whole prompt, no pacing)."""
+    budget = len(long) + len(short)
+    config = EngineConfig(prefix_cache=False, max_num_batched_tokens=budget, max_step_ms=1e9)
     engine = await _started(config, path)
     try:
         await _ttft(engine, short)

@@ -199,7 +199,8 @@ class EngineCore:
         scheduler, runner = self.scheduler, self.runner
         assert scheduler is not None and runner is not None
         while True:
-            idle = not scheduler.running and not scheduler.waiting
+            # Finished requests are freed by the next run: step once more before idling.
+            idle = not scheduler.running and not scheduler.waiting and not scheduler.has_released
             if not self._handle_commands(block=idle):
                 return
             self._step(scheduler, runner)

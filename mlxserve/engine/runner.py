@@ -39,6 +39,7 @@ from mlxserve.engine.plan import (
     StepPlan,
     StepResult,
 )
+from mlxserve.engine.prefill_group import prefill_group
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
     SampledRow,
@@ -118,6 +119,8 @@ class Runner:
         self.batchable = bool(probe) and all(_mergeable(layer) for layer in probe)
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
         self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
+        # Whole short prompts prefill together, left-padded (plain KV caches only).
+        self.group_prefill = self.completion_snapshots
         if not self.batchable:
             kinds = sorted({type(layer).__name__ for layer in probe})
             logger.warning(
@@ -223,7 +226,10 @@ class Runner:
             return result  # the decode batch may be inconsistent: the engine recovers first
         if plan.decodes:
             self._decode(plan.decodes, plan.finish_rule, result)
-        for chunk in plan.prefills:
+        solo = plan.prefills
+        if self.group_prefill:
+            solo = prefill_group(self, plan.prefills, result)
+        for chunk in solo:
             self._prefill(chunk, result)
         return result
 
@@ -238,6 +244,12 @@ class Runner:
                 logger.exception("request %s could not join the decode batch", request_id)
                 self._forget([request_id])
                 result.outputs.append(RequestOutput(request_id, error=_describe(e)))
+
+    def ensure_sampler(self, request: Request) -> None:
+        if request.request_id not in self.samplers:
+            self.samplers[request.request_id] = new_sampler_state(
+                request.params, request.prompt_ids, self.grammar
+            )
 
     def _release_finished(self, request_ids: list[str], result: StepResult) -> None:
         try:
@@ -256,10 +268,7 @@ class Runner:
             if cache is None:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
-            if rid not in self.samplers:
-                self.samplers[rid] = new_sampler_state(
-                    request.params, request.prompt_ids, self.grammar
-                )
+            self.ensure_sampler(request)
             context = request.context_ids
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
             started = time.perf_counter()
@@ -387,8 +396,11 @@ class Runner:
         finally:
             mx.clear_cache()
 
-    def _sample(self, logits: mx.array, requests: list[Request]) -> list[SampledRow]:
-        self._check(faults.SAMPLE, [r.request_id for r in requests])
+    def _sample(
+        self, logits: mx.array, requests: list[Request], check: bool = True
+    ) -> list[SampledRow]:
+        if check:
+            self._check(faults.SAMPLE, [r.request_id for r in requests])
         states = [self.samplers[r.request_id] for r in requests]
         params = [r.params for r in requests]
         rows = sample_rows(logits, params, states)

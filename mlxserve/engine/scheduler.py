@@ -410,6 +410,11 @@ class Scheduler:
             self.recent_status.popitem(last=False)
 
     @property
+    def has_released(self) -> bool:
+        """Finished requests whose caches the next run frees (or snapshots first)."""
+        return bool(self._released or self._completed)
+
+    @property
     def num_waiting(self) -> int:
         return len(self.waiting)
 
