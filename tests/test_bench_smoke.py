@@ -16,9 +16,32 @@ def test_bench_engine_reports_its_keys(tmp_path: Path, model_dir_factory) -> Non
     out = tmp_path / "engine.json"
     model = str(model_dir_factory("llama"))
     args = ["bench", "engine", "--model", model, "--tokens", "8", "--long-prompt", "256"]
-    assert cli_main([*args, "--json", str(out)]) == 0
+    assert cli_main([*args, "--history-tokens", "256", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["figures"]
-    for key in ("engine_efficiency", "batch_scaling_8", "short_ttft_under_long_prefill"):
+    keys = (
+        "engine_efficiency",
+        "batch_scaling_4",
+        "batch_scaling_8",
+        "batch_8_vs_mlx_lm_batch_generator",
+        "short_ttft_under_long_prefill",
+        "itl_under_long_prefill",
+        "warm_ttft_8k_over_cold_64",
+    )
+    for key in keys:
+        assert figures[key] > 0
+    assert figures["baseline"] == "mlx_lm"
+
+
+def test_bench_engine_runs_on_deepseek_v4(tmp_path: Path, model_dir_factory) -> None:
+    """No mlx-lm for V4: the baseline is mlx-vlm's own loop on the same checkpoint."""
+    out = tmp_path / "engine-v4.json"
+    model = str(model_dir_factory("deepseek_v4"))
+    args = ["bench", "engine", "--model", model, "--tokens", "6", "--long-prompt", "128"]
+    assert cli_main([*args, "--history-tokens", "128", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["baseline"] == "mlx_vlm"
+    assert "batch_8_vs_mlx_lm_batch_generator" not in figures
+    for key in ("engine_efficiency", "batch_scaling_4", "itl_under_long_prefill"):
         assert figures[key] > 0
 
 
