@@ -152,6 +152,8 @@ class Scheduler:
 
         Each chunk is its own forward, with a fixed cost of its own: once a chunk
         is planned, the next one is planned only if it fits in the time left.
+        Prompts that all fit in the budget, with nobody decoding, are all fed
+        (whole fresh prompts share one forward, see `prefill_group.py`).
         """
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)
@@ -160,6 +162,8 @@ class Scheduler:
         others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
         pacer = self.pacer
         left = pacer.prefill_budget_s(bool(plan.decodes), alone=not others)
+        if not plan.decodes and sum(r.prefill_remaining for r in prefilling) <= budget:
+            left = None  # only whole prompts to feed and nobody decoding: all of them now
         for request in prefilling:
             allowed = budget
             if left is not None:
