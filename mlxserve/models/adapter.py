@@ -30,6 +30,10 @@ class ModelAdapter:
             from mlxserve.models import dsv4_overlap
 
             dsv4_overlap.install(module)
+        elif model_type == "deepseek_v41":
+            from mlxserve.models import dsv41_batch
+
+            dsv41_batch.install(module)
 
     def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         out = self.module(inputs, cache=cache)
