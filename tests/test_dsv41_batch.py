@@ -199,13 +199,23 @@ def test_row_buffer_keeps_rows_apart() -> None:
     assert first is not None and first[0, :, 0].tolist() == [2.0, 5.0]
 
 
-def test_batched_cache_bytes_are_counted(model: LoadedModel) -> None:
+def test_batch_bytes_are_counted_and_within_the_probed_cost(model: LoadedModel) -> None:
     from mlxserve.engine.memory import live_nbytes
 
+    cost = Runner(model).probe_cost()
     batch = DecodeBatch()
-    _join(model, batch, {}, "a", _prompt(30, 1))
-    _join(model, batch, {}, "b", _prompt(5, 2))
-    assert live_nbytes(batch.cache) == sum(layer.nbytes for layer in batch.cache) > 0
+    outputs: dict[str, list[int]] = {}
+    lengths = {"a": 30, "b": 5, "c": 18, "d": 3}
+    for i, (rid, n) in enumerate(lengths.items()):
+        _join(model, batch, outputs, rid, _prompt(n, i))
+    for step in range(1, 10):
+        _step(model, batch, outputs)
+        live = live_nbytes(batch.cache)
+        assert live == sum(layer.nbytes for layer in batch.cache) > 0
+        tokens = [lengths[rid] + step for rid in batch.request_ids]
+        assert live <= cost.total(tokens, batched=True), step
+        if step == 5:
+            batch.remove({"a"})
 
 
 def test_engine_batches_v41_requests_like_single_runs(model_dir_factory) -> None:

@@ -27,10 +27,6 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import LayerCache
 
-# Columns a RowBuffer grows by when a row runs out of room.
-GROW_STEP = 64
-
-
 def _pad_columns(a: mx.array, width: int, *, left: bool) -> mx.array:
     """(B, n, D) -> (B, width, D) with zero columns in front (left) or after."""
     missing = width - a.shape[1]
@@ -86,13 +82,13 @@ class RowBuffer:
         nothing reads it and its next real entry overwrites it.
         """
         batch = values.shape[0]
+        # Exactly as wide as the longest row: the memory probe measures a
+        # single run's caches, which hold no slack either.
         needed = max(self.lengths, default=0) + 1
         if self.data is None:
-            width = -(-needed // GROW_STEP) * GROW_STEP
-            self.data = mx.zeros((batch, width, *values.shape[2:]), dtype=values.dtype)
+            self.data = mx.zeros((batch, needed, *values.shape[2:]), dtype=values.dtype)
         elif self.data.shape[1] < needed:
-            width = -(-needed // GROW_STEP) * GROW_STEP
-            self.data = _pad_columns(self.data, width, left=False)
+            self.data = _pad_columns(self.data, needed, left=False)
         at = mx.array(self.lengths, dtype=mx.int32).reshape(batch, 1, 1)
         at = mx.broadcast_to(at, values.shape)
         self.data = mx.put_along_axis(self.data, at, values.astype(self.data.dtype), axis=1)
@@ -102,11 +98,19 @@ class RowBuffer:
     def reset(self, rows: Sequence[bool]) -> None:
         """Rows flagged True start over (their entries become filler)."""
         self.lengths = [0 if r else n for n, r in zip(self.lengths, rows, strict=True)]
+        self.trim()
+
+    def trim(self) -> None:
+        """Drop the columns past the longest row."""
+        longest = max(self.lengths, default=0)
+        if self.data is not None and self.data.shape[1] > longest:
+            self.data = self.data[:, :longest]
 
     def filter(self, keep: list[int]) -> None:
         self.lengths = [self.lengths[i] for i in keep]
         if self.data is not None:
             self.data = self.data[mx.array(keep, dtype=mx.int32)]
+        self.trim()
 
     def extend(self, other: RowBuffer) -> None:
         if self.data is None and other.data is None:
