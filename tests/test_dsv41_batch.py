@@ -278,3 +278,20 @@ def test_no_nan_logits_past_128_tokens(model: LoadedModel, length: int, chunk: i
         logits = model.model.last_logits(piece, cache)
     assert not mx.isnan(logits).any().item()
 
+
+@pytest.mark.parametrize("shape", [(3, 1, 4, 32), (3, 1, 32)])
+@pytest.mark.parametrize(("scale", "inverse"), [(1.0, False), (4.0, False), (1.0, True)])
+def test_rotate_per_row_equals_the_model_rope_row_by_row(
+    model: LoadedModel, shape: tuple[int, ...], scale: float, inverse: bool
+) -> None:
+    from mlx_lm.models.deepseek_v41 import _apply_rope
+
+    from mlxserve.models.dsv41_batch import rotate
+
+    attn = model.model.module.model.layers[1].self_attn.inner
+    x = mx.random.normal(shape, key=mx.random.key(4))
+    offsets = [5, 130, 17]
+    how: dict[str, Any] = {"rope_dim": 16, "scale": scale, "inverse": inverse}
+    batched = rotate(x, attn.rope, offset=mx.array(offsets), **how)
+    rows = [_apply_rope(x[i : i + 1], attn.rope, offset=n, **how) for i, n in enumerate(offsets)]
+    assert mx.array_equal(batched, mx.concatenate(rows)).item()

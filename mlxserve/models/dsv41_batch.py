@@ -19,10 +19,16 @@ it decodes one token per row, each at its own position:
 - the indexer's visibility, top-k and candidate blocks are per row.
 
 The rest of the forward (embedding, hyper-connections, MoE, head) runs as
-mlx-lm's own code: it is position-independent. The math helpers below
-(`_apply_rope`, the fp8/fp4 fake quantisation, `_sparse_attention`) are the
-model file's own functions, so a batch row computes what a single run does;
-`tests/test_dsv41_batch.py` holds greedy parity against single runs.
+mlx-lm's own code: it is position-independent. The fp8/fp4 fake quantisation
+and `_sparse_attention` are the model file's own functions (pinned mlx-lm
+0.32.2), imported so a batch row computes what a single run does; `rotate` is
+its `_apply_rope` with a vector of offsets. `tests/test_dsv41_batch.py` holds
+greedy parity against single runs.
+
+One case cannot match a single run: with a candidate source whose blocks
+cover fewer entries than `index_topk`, the top-k picks among tied -inf
+scores, in an order that depends on the row's width. The published config
+(2048 blocks of 8 against a top-k of 512) never gets there.
 """
 
 from __future__ import annotations
@@ -31,12 +37,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.deepseek_v41 import (
-    _apply_rope,
-    _fake_quant_fp4,
-    _fake_quant_fp8,
-    _sparse_attention,
-)
+from mlx_lm.models.deepseek_v41 import _fake_quant_fp4, _fake_quant_fp8, _sparse_attention
 
 from mlxserve.models.dsv41_cache import BatchLayerCache
 
@@ -64,6 +65,32 @@ class BatchableAttention(nn.Module):
         return self.inner(x, start_pos=start_pos, window_idx=window_idx, cache=cache, shared=shared)
 
 
+def rotate(
+    x: mx.array,
+    rope: Any,
+    *,
+    rope_dim: int,
+    offset: mx.array,
+    scale: float = 1.0,
+    inverse: bool = False,
+) -> mx.array:
+    """The model's interleaved RoPE on the trailing `rope_dim` features, one offset per row.
+
+    As `deepseek_v41._apply_rope`, whose offset is one int; `mx.fast.rope`
+    takes a (B,) vector of offsets, one per batch row.
+    """
+    if rope_dim == 0:
+        return x
+    head = x[..., :-rope_dim]
+    tail = x[..., -rope_dim:].astype(mx.float32)
+    if x.ndim == 4:  # (B, L, H, D): rope wants positions on the second-to-last axis
+        tail = rope(tail.transpose(0, 2, 1, 3), offset=offset, scale=scale, inverse=inverse)
+        tail = tail.transpose(0, 2, 1, 3)
+    else:
+        tail = rope(tail, offset=offset, scale=scale, inverse=inverse)
+    return mx.concatenate([head, tail.astype(x.dtype)], axis=-1)
+
+
 def install(language_model: Any) -> int:
     """Wrap every attention module of an mlx-lm `deepseek_v41.Model`; returns how many."""
     wrapped = 0
@@ -82,10 +109,10 @@ def batched_attention(attn: Any, x: mx.array, cache: BatchLayerCache, shared: Sh
     positions = cache.offset  # (B,) tokens before this one, per row
     q_residual = attn.q_a_norm(attn.q_a_proj(x))
     q = attn.q_b_proj(q_residual).reshape(batch, length, attn.num_heads, attn.head_dim)
-    q = _apply_rope(q, attn.rope, rope_dim=attn.rope_dim, offset=positions)
+    q = rotate(q, attn.rope, rope_dim=attn.rope_dim, offset=positions)
 
     kv = attn.kv_norm(attn.kv_proj(x))
-    kv = _apply_rope(kv, attn.rope, rope_dim=attn.rope_dim, offset=positions)
+    kv = rotate(kv, attn.rope, rope_dim=attn.rope_dim, offset=positions)
     kv = _fake_quant_fp8(kv, 32)
     window, window_idx = cache.update_window(kv)
     kvs, indices = [window], [window_idx]
@@ -93,8 +120,8 @@ def batched_attention(attn: Any, x: mx.array, cache: BatchLayerCache, shared: Sh
         if attn.is_kv_source:
             _compress(attn, x, positions, cache, shared)
         if attn.is_index_source:
-            topk, candidates = _index(attn, x, q_residual, positions, shared)
-            shared["topk_idx"] = topk
+            picks, candidates = _index(attn, x, q_residual, positions, shared)
+            shared["topk_idx"] = picks
             if attn.indexer.is_candidate_source:
                 shared["candidates"] = candidates
         compressed = shared.get("compress_kv")
@@ -104,7 +131,7 @@ def batched_attention(attn: Any, x: mx.array, cache: BatchLayerCache, shared: Sh
             indices.append(topk)
 
     output = _sparse_attention(q, kvs, indices, sinks=attn.sinks, scale=attn.head_dim**-0.5)
-    output = _apply_rope(output, attn.rope, rope_dim=attn.rope_dim, offset=positions, inverse=True)
+    output = rotate(output, attn.rope, rope_dim=attn.rope_dim, offset=positions, inverse=True)
     output = output.reshape(batch * length, attn.o_groups, 1, -1)
     output = attn.o_a_proj(output, mx.arange(attn.o_groups)[None])
     return attn.o_b_proj(output.reshape(batch, length, -1))
@@ -143,13 +170,13 @@ def _compress(
     if latent is not None:
         # A group takes the position of its first token: its index times the ratio.
         first = positions // attn.ratio
-        kv = _apply_rope(latent, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
+        kv = rotate(latent, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
         kv = _fake_quant_fp4(kv, block_size=16, e4m3_scale=True)
         cache.compress.put(kv, closed)
         if attn.is_index_source:
             indexer = attn.indexer
             k = indexer.k_norm(indexer.k_proj(latent))
-            k = _apply_rope(k, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
+            k = rotate(k, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
             k = _fake_quant_fp4(k, block_size=32)
             cache.index.put(k, closed)
     shared["compress_kv"] = cache.compress.view()
@@ -168,7 +195,7 @@ def _index(
     if index_k is None or index_k.shape[1] == 0:
         return mx.zeros((batch, length, 0), dtype=mx.int32), candidates
     q = indexer.q_b_proj(q_residual).reshape(batch, length, indexer.num_heads, indexer.head_dim)
-    q = _apply_rope(q, attn.rope, rope_dim=indexer.rope_dim, offset=positions)
+    q = rotate(q, attn.rope, rope_dim=indexer.rope_dim, offset=positions)
     q = _fake_quant_fp4(q, block_size=32)
     keys = index_k.astype(mx.float32)
     weights = indexer.weights_proj(x).astype(mx.float32) * (indexer.num_heads**-0.5)

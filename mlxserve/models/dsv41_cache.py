@@ -27,6 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.deepseek_v41 import LayerCache
 
+
 def _pad_columns(a: mx.array, width: int, *, left: bool) -> mx.array:
     """(B, n, D) -> (B, width, D) with zero columns in front (left) or after."""
     missing = width - a.shape[1]
@@ -234,7 +235,9 @@ class BatchLayerCache:
 
     def filter(self, batch_indices: Any) -> None:
         """Keep these rows, in this order."""
-        source = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
+        source: Any = batch_indices
+        if isinstance(source, mx.array):
+            source = source.tolist()
         keep = [int(i) for i in source]
         self.offsets = [self.offsets[i] for i in keep]
         if self.window is not None:
@@ -244,9 +247,9 @@ class BatchLayerCache:
         for buffer in self._buffers():
             buffer.filter(keep)
 
-    def extract(self, idx: int) -> LayerCache:
+    def extract(self, idx: int) -> Any:
         """Row `idx` as the `LayerCache` a single run would hold now (copies)."""
-        cache = LayerCache(self.window_size)
+        cache: Any = LayerCache(self.window_size)  # its fields are untyped (None)
         cache.offset = self.offsets[idx]
         rows = self.window_rows(idx)
         if self.window is not None and rows > 0:
