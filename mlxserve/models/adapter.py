@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 # mlx-lm families whose __call__ is exactly `head(model.model(inputs, cache))`,
 # so the head can be applied to the last position alone.
@@ -52,7 +53,7 @@ class ModelAdapter:
             if tied or not hasattr(self.module, "lm_head"):
                 logits = self.module.model.embed_tokens.as_linear(hidden)
             else:
-                logits = self.module.lm_head(hidden)
+                logits = _head(self.module.lm_head, hidden)
             return logits[:, -1, :]
         return self(inputs, cache)[:, -1, :]
 
@@ -66,3 +67,26 @@ class ModelAdapter:
         from mlx_lm.models.cache import make_prompt_cache
 
         return list(make_prompt_cache(self.module))
+
+
+def _head(lm_head: Any, hidden: mx.array) -> mx.array:
+    """`lm_head(hidden)` for (B, 1, H) hidden states.
+
+    On the CPU backend (reference BLAS) a plain float head over several rows
+    runs about twice as fast as `W @ h^T` as it does as `h @ W^T` (measured
+    with a 129k-row head; bit-equal there). Decode batches spend
+    most of a tiny model's step there.
+    """
+    weight = getattr(lm_head, "weight", None)
+    rows = hidden.shape[0]
+    if (
+        type(lm_head) is not nn.Linear
+        or "bias" in lm_head
+        or weight is None
+        or rows < 2
+        or hidden.shape[1] != 1
+        or mx.default_device() != mx.cpu
+    ):
+        return lm_head(hidden)
+    flat = hidden.reshape(rows, hidden.shape[-1])
+    return mx.swapaxes(weight @ mx.swapaxes(flat, 0, 1), 0, 1)[:, None, :]
