@@ -286,7 +286,7 @@ def test_rotate_per_row_equals_the_model_rope_row_by_row(
 ) -> None:
     from mlx_lm.models.deepseek_v41 import _apply_rope
 
-    from mlxserve.models.dsv41_batch import rotate
+    from mlxserve.models.dsv41_math import rotate
 
     attn = model.model.module.model.layers[1].self_attn.inner
     x = mx.random.normal(shape, key=mx.random.key(4))
@@ -295,3 +295,28 @@ def test_rotate_per_row_equals_the_model_rope_row_by_row(
     batched = rotate(x, attn.rope, offset=mx.array(offsets), **how)
     rows = [_apply_rope(x[i : i + 1], attn.rope, offset=n, **how) for i, n in enumerate(offsets)]
     assert mx.array_equal(batched, mx.concatenate(rows)).item()
+
+
+def test_restated_math_is_mlx_lms() -> None:
+    """`dsv41_math` restates mlx-lm 0.32.2's private helpers: bit-equal on random inputs."""
+    from mlx_lm.models import deepseek_v41 as theirs
+
+    from mlxserve.models import dsv41_math as ours
+
+    key = mx.random.key(9)
+    x = mx.random.normal((2, 3, 64), key=key) * 3
+    assert mx.array_equal(ours.fake_quant_fp8(x, 32), theirs._fake_quant_fp8(x, 32)).item()
+    for e4m3 in (False, True):
+        a = ours.fake_quant_fp4(x, block_size=16, e4m3_scale=e4m3)
+        b = theirs._fake_quant_fp4(x, block_size=16, e4m3_scale=e4m3)
+        assert mx.array_equal(a, b).item()
+    q = mx.random.normal((2, 3, 4, 32), key=mx.random.key(1))
+    kvs = [mx.random.normal((2, 7, 32), key=mx.random.key(2)), mx.random.normal((2, 5, 32))]
+    picks = [
+        mx.random.randint(-1, 7, (2, 3, 4), key=mx.random.key(3)),
+        mx.random.randint(-1, 5, (2, 3, 2), key=mx.random.key(5)),
+    ]
+    sinks = mx.random.normal((4,), key=mx.random.key(6))
+    a = ours.sparse_attention(q, kvs, picks, sinks=sinks, scale=0.2)
+    b = theirs._sparse_attention(q, kvs, picks, sinks=sinks, scale=0.2)
+    assert mx.array_equal(a, b).item()

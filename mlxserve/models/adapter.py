@@ -4,6 +4,10 @@ mlx-lm models return logits as an array; mlx-vlm's DeepSeek-V4 language model
 returns a `LanguageModelOutput`. The engine also wants logits for the last
 position only during prefill: projecting every prompt position through a
 129k-row lm_head costs far more than the rest of a tiny model's prefill.
+
+Loading wraps the modules our batched caches need: DeepSeek-V4's overlap
+compressors (`dsv4_overlap`) and DeepSeek-V4.1's attention (`dsv41_batch`,
+so V4.1 requests decode as one batch, each row at its own position).
 """
 
 from __future__ import annotations

@@ -19,11 +19,9 @@ it decodes one token per row, each at its own position:
 - the indexer's visibility, top-k and candidate blocks are per row.
 
 The rest of the forward (embedding, hyper-connections, MoE, head) runs as
-mlx-lm's own code: it is position-independent. The fp8/fp4 fake quantisation
-and `_sparse_attention` are the model file's own functions (pinned mlx-lm
-0.32.2), imported so a batch row computes what a single run does; `rotate` is
-its `_apply_rope` with a vector of offsets. `tests/test_dsv41_batch.py` holds
-greedy parity against single runs.
+mlx-lm's own code: it is position-independent. The attention math comes from
+`models/dsv41_math.py` (mlx-lm's own helpers, restated, RoPE with per-row
+offsets). `tests/test_dsv41_batch.py` holds greedy parity against single runs.
 
 One case cannot match a single run: with a candidate source whose blocks
 cover fewer entries than `index_topk`, the top-k picks among tied -inf
@@ -37,9 +35,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.deepseek_v41 import _fake_quant_fp4, _fake_quant_fp8, _sparse_attention
 
 from mlxserve.models.dsv41_cache import BatchLayerCache
+from mlxserve.models.dsv41_math import fake_quant_fp4, fake_quant_fp8, rotate, sparse_attention
 
 Shared = dict[str, Any]
 
@@ -65,32 +63,6 @@ class BatchableAttention(nn.Module):
         return self.inner(x, start_pos=start_pos, window_idx=window_idx, cache=cache, shared=shared)
 
 
-def rotate(
-    x: mx.array,
-    rope: Any,
-    *,
-    rope_dim: int,
-    offset: mx.array,
-    scale: float = 1.0,
-    inverse: bool = False,
-) -> mx.array:
-    """The model's interleaved RoPE on the trailing `rope_dim` features, one offset per row.
-
-    As `deepseek_v41._apply_rope`, whose offset is one int; `mx.fast.rope`
-    takes a (B,) vector of offsets, one per batch row.
-    """
-    if rope_dim == 0:
-        return x
-    head = x[..., :-rope_dim]
-    tail = x[..., -rope_dim:].astype(mx.float32)
-    if x.ndim == 4:  # (B, L, H, D): rope wants positions on the second-to-last axis
-        tail = rope(tail.transpose(0, 2, 1, 3), offset=offset, scale=scale, inverse=inverse)
-        tail = tail.transpose(0, 2, 1, 3)
-    else:
-        tail = rope(tail, offset=offset, scale=scale, inverse=inverse)
-    return mx.concatenate([head, tail.astype(x.dtype)], axis=-1)
-
-
 def install(language_model: Any) -> int:
     """Wrap every attention module of an mlx-lm `deepseek_v41.Model`; returns how many."""
     wrapped = 0
@@ -113,7 +85,7 @@ def batched_attention(attn: Any, x: mx.array, cache: BatchLayerCache, shared: Sh
 
     kv = attn.kv_norm(attn.kv_proj(x))
     kv = rotate(kv, attn.rope, rope_dim=attn.rope_dim, offset=positions)
-    kv = _fake_quant_fp8(kv, 32)
+    kv = fake_quant_fp8(kv, 32)
     window, window_idx = cache.update_window(kv)
     kvs, indices = [window], [window_idx]
     if attn.ratio:
@@ -130,7 +102,7 @@ def batched_attention(attn: Any, x: mx.array, cache: BatchLayerCache, shared: Sh
             kvs.append(compressed)
             indices.append(topk)
 
-    output = _sparse_attention(q, kvs, indices, sinks=attn.sinks, scale=attn.head_dim**-0.5)
+    output = sparse_attention(q, kvs, indices, sinks=attn.sinks, scale=attn.head_dim**-0.5)
     output = rotate(output, attn.rope, rope_dim=attn.rope_dim, offset=positions, inverse=True)
     output = output.reshape(batch * length, attn.o_groups, 1, -1)
     output = attn.o_a_proj(output, mx.arange(attn.o_groups)[None])
@@ -171,13 +143,13 @@ def _compress(
         # A group takes the position of its first token: its index times the ratio.
         first = positions // attn.ratio
         kv = rotate(latent, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
-        kv = _fake_quant_fp4(kv, block_size=16, e4m3_scale=True)
+        kv = fake_quant_fp4(kv, block_size=16, e4m3_scale=True)
         cache.compress.put(kv, closed)
         if attn.is_index_source:
             indexer = attn.indexer
             k = indexer.k_norm(indexer.k_proj(latent))
             k = rotate(k, attn.rope, rope_dim=attn.rope_dim, offset=first, scale=attn.ratio)
-            k = _fake_quant_fp4(k, block_size=32)
+            k = fake_quant_fp4(k, block_size=32)
             cache.index.put(k, closed)
     shared["compress_kv"] = cache.compress.view()
     if attn.is_index_source:
@@ -196,7 +168,7 @@ def _index(
         return mx.zeros((batch, length, 0), dtype=mx.int32), candidates
     q = indexer.q_b_proj(q_residual).reshape(batch, length, indexer.num_heads, indexer.head_dim)
     q = rotate(q, attn.rope, rope_dim=indexer.rope_dim, offset=positions)
-    q = _fake_quant_fp4(q, block_size=32)
+    q = fake_quant_fp4(q, block_size=32)
     keys = index_k.astype(mx.float32)
     weights = indexer.weights_proj(x).astype(mx.float32) * (indexer.num_heads**-0.5)
     scores = mx.matmul(q.astype(mx.float32), keys[:, None].swapaxes(-1, -2))
