@@ -222,9 +222,9 @@ def constraint_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
 
     Built once per distinct constraint (agents repeat the same tools every turn).
     """
+    # Not sorted: the grammar writes properties in the schema's order.
     key = json.dumps(
         [constraint.json_schema, list(constraint.tools), constraint.parallel],
-        sort_keys=True,
         ensure_ascii=False,
     )
     return _cached_grammar(key, tool_syntax)
