@@ -208,3 +208,59 @@ def test_thinking_stays_free_and_the_grammar_starts_after_it() -> None:
     assert choice.finish_reason == "stop"
     assert getattr(choice.message, "reasoning_content", None) == "Think {not json."
     assert json.loads(choice.message.content or "") == {"a": 12}
+
+
+def test_strict_auto_leaves_text_alone_and_mends_a_bad_call() -> None:
+    """`tool_choice: auto` with a strict function: free text passes as it is; a call the
+    model opens must satisfy the schema (the scripted call's `days` is out of range)."""
+    from api_fixtures import scripted_server
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer", "maximum": 7}},
+        "required": ["city", "days"],
+    }
+    tool = {
+        "type": "function",
+        "function": {"name": "weather", "parameters": schema, "strict": True},
+    }
+    call = (
+        "Checking.</think>Let me look.\n\n<｜DSML｜tool_calls>\n"
+        '<｜DSML｜invoke name="weather">\n'
+        '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
+        '<｜DSML｜parameter name="days" string="false">9</｜DSML｜parameter>\n'
+        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+    )
+    request = {
+        "model": "scripted-v4",
+        "messages": [{"role": "user", "content": "Weather?"}],
+        "tools": [tool],
+        "max_tokens": 96,
+        "temperature": 0,
+    }
+    second_turn = "Checking.</think>No call {needed}."
+    with scripted_server([call, second_turn]) as srv:
+        client = _client(srv)
+        choice = client.chat.completions.create(**request).choices[0]
+        assert choice.message.content == "Let me look.", repr(choice.message.content)
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.tool_calls is not None
+        args = json.loads(choice.message.tool_calls[0].function.arguments)
+        jsonschema.validate(args, schema)
+        assert args["city"] == "Oslo"
+        # The second assistant turn of the script writes text only, left as it is.
+        follow = {
+            **request,
+            "messages": [
+                *request["messages"],
+                {
+                    "role": "assistant",
+                    "content": "Let me look.",
+                    "tool_calls": [tc.model_dump() for tc in choice.message.tool_calls],
+                },
+                {"role": "tool", "tool_call_id": choice.message.tool_calls[0].id, "content": "sun"},
+            ],
+        }
+        second = client.chat.completions.create(**follow).choices[0]
+        assert second.message.content == "No call {needed}."
+        assert second.finish_reason == "stop"

@@ -222,3 +222,59 @@ def test_parallel_tool_calls_false_keeps_first(parallel: ServerThread) -> None:
     )
     calls = out.choices[0].message.tool_calls
     assert calls is not None and [c.function.name for c in calls] == ["create_event"]
+
+
+FILE_TEXT = "".join(f'line {i}: say "hi"\\n\t<tag> ok\n' for i in range(40))
+WRITE_CALL = (
+    "Writing it.</think>\n\n<｜DSML｜tool_calls>\n"
+    '<｜DSML｜invoke name="write_file">\n'
+    '<｜DSML｜parameter name="path" string="true">notes.txt</｜DSML｜parameter>\n'
+    f'<｜DSML｜parameter name="text" string="true">{FILE_TEXT}</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
+)
+WRITE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "write_file",
+        "parameters": {
+            "type": "object",
+            "properties": {"path": {"type": "string"}, "text": {"type": "string"}},
+            "required": ["path", "text"],
+        },
+    },
+}
+
+
+def test_a_long_argument_streams_in_fragments_over_http() -> None:
+    """An agent writing a file through a tool sees the argument as it is generated."""
+    with _server(WRITE_CALL) as srv:
+        client = _client(srv)
+        request: dict[str, Any] = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write the notes."}],
+            "tools": [WRITE_TOOL],
+            "temperature": 0,
+        }
+        chunks = list(client.chat.completions.create(stream=True, **request))
+        fragments = [
+            tc.function.arguments
+            for chunk in chunks
+            for choice in chunk.choices
+            for tc in choice.delta.tool_calls or []
+            if tc.function is not None and tc.function.arguments
+        ]
+        firsts = [
+            tc
+            for chunk in chunks
+            for choice in chunk.choices
+            for tc in choice.delta.tool_calls or []
+            if tc.id is not None
+        ]
+        whole = client.chat.completions.create(**request).choices[0].message
+    assert len(fragments) >= 10
+    assert len(firsts) == 1 and firsts[0].function is not None
+    assert firsts[0].function.name == "write_file"
+    assert whole.tool_calls is not None
+    assert "".join(fragments) == whole.tool_calls[0].function.arguments
+    assert json.loads("".join(fragments)) == {"path": "notes.txt", "text": FILE_TEXT}
+    assert not any(choice.delta.content for chunk in chunks for choice in chunk.choices)

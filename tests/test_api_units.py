@@ -160,6 +160,26 @@ def test_pipeline_parallel_tool_calls_false_keeps_first(tokenizer: Any) -> None:
     assert len(acc.message()["tool_calls"]) == 1
 
 
+def test_pipeline_whole_message_leaves_out_a_discarded_call(tokenizer: Any) -> None:
+    """A call streamed from a block that then breaks is not in the whole message; with
+    parallel tool calls off, the one call kept is the first valid one."""
+    invoke = (
+        '<｜DSML｜invoke name="{}">\n'
+        '<｜DSML｜parameter name="x" string="true">1</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+    )
+    bad = "\n\n<｜DSML｜tool_calls>\n" + invoke.format("a") + "oops"
+    good = "\n\n<｜DSML｜tool_calls>\n" + invoke.format("b") + "</｜DSML｜tool_calls>"
+    for parallel in (True, False):
+        parser = preset("deepseek_v4").create(thinking=False, tools_given=True)
+        acc, _ = _run_pipeline(tokenizer, bad + good, parser=parser, parallel_tool_calls=parallel)
+        msg = acc.message()
+        assert msg["content"] == bad
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+            ("b", '{"x": "1"}')
+        ]
+        assert acc.finish_reason == "tool_calls"
+
+
 # -- schemas -------------------------------------------------------------------
 
 

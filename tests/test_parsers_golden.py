@@ -13,6 +13,7 @@ from mlxserve.parsers import (
     ParserEvent,
     ReasoningDelta,
     ToolCallArgs,
+    ToolCallDiscard,
     ToolCallEnd,
     ToolCallStart,
     accumulate,
@@ -51,15 +52,21 @@ def check_events(case: dict[str, Any], events: list[ParserEvent]) -> None:
                     assert marker not in event.text, event
     starts = [e for e in events if isinstance(e, ToolCallStart)]
     ends = {e.index: e for e in events if isinstance(e, ToolCallEnd)}
+    discarded = [e.index for e in events if isinstance(e, ToolCallDiscard)]
     assert [s.index for s in starts] == list(range(len(starts)))
     assert len({s.id for s in starts}) == len(starts)
+    # Every streamed call is either completed or discarded, never both.
+    assert sorted([*ends, *discarded]) == [s.index for s in starts]
     for start in starts:
         assert start.id.startswith("call_") and len(start.id) > 10
         args = "".join(
             e.arguments for e in events if isinstance(e, ToolCallArgs) and e.index == start.index
         )
-        assert json.loads(args) == ends[start.index].arguments
-        assert ends[start.index].id == start.id and ends[start.index].name == start.name
+        if start.index in discarded:
+            continue
+        end = ends[start.index]
+        assert args == end.arguments_json and json.loads(args) == end.arguments
+        assert end.id == start.id and end.name == start.name
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["id"] for c in CASES])

@@ -111,7 +111,7 @@ def run(parser: str, text: str, points: list[int], thinking: bool) -> dict[str, 
         args = "".join(
             e.arguments for e in events if isinstance(e, ToolCallArgs) and e.index == end.index
         )
-        assert json.loads(args) == end.arguments
+        assert args == end.arguments_json and json.loads(args) == end.arguments
     assert len({e.id for e in events if isinstance(e, ToolCallStart)}) == sum(
         isinstance(e, ToolCallStart) for e in events
     )

@@ -29,6 +29,7 @@ from mlxserve.api.detok import CONTEXT_TOKENS
 from mlxserve.api.errors import APIError, error_body
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.keepalive import SSE_COMMENT, with_keepalive
+from mlxserve.api.notices import warn_once
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
 from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from mlxserve.api.state import ServerState
@@ -325,12 +326,16 @@ async def start_chat(
 
 async def _engine_constraint(
     model: LoadedModel, wanted: OutputConstraint, tool_syntax: str, thinking: bool
-) -> Constraint:
+) -> Constraint | None:
     """The engine's grammar for a structured answer; in thinking mode it starts after `</think>`."""
     param = "response_format" if wanted.json_schema is not None else "tool_choice"
     try:
         grammar = await asyncio.to_thread(constraint_grammar, wanted, tool_syntax)
     except StructuredOutputError as e:
+        if wanted.optional:
+            # `strict` on an optional call is best effort: the request is served free.
+            warn_once("strict-tools", "strict tool calls are not enforced: %s", e)
+            return None
         raise APIError(400, str(e), param=param) from e
     if not thinking:
         return Constraint(grammar)

@@ -24,6 +24,7 @@ from mlxserve.parsers.events import (
     ReasoningDelta,
     StreamParser,
     ToolCallArgs,
+    ToolCallDiscard,
     ToolCallEnd,
     ToolCallStart,
 )
@@ -57,11 +58,19 @@ class OutputDelta:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    # Calls streamed earlier that turned out malformed: a whole message leaves them
+    # out (a stream cannot take back what it sent; their text follows as content).
+    discarded: list[int] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
         return not (
-            self.reasoning or self.content or self.tool_calls or self.logprobs or self.finish_reason
+            self.reasoning
+            or self.content
+            or self.tool_calls
+            or self.logprobs
+            or self.finish_reason
+            or self.discarded
         )
 
 
@@ -105,6 +114,7 @@ class OutputPipeline:
         self._parser = parser
         self._logprobs = logprobs
         self._parallel = parallel_tool_calls
+        self._only_call: int | None = None  # with parallel_tool_calls off
         self._args_sent: set[int] = set()
         self._calls_done: set[int] = set()
         self.usage = Usage(prompt_tokens=prompt_tokens)
@@ -173,8 +183,10 @@ class OutputPipeline:
                 delta.reasoning += ev.text
             elif isinstance(ev, ContentDelta):
                 delta.content += ev.text
-            elif not self._parallel and ev.index > 0:
+            elif not self._admits(ev):
                 continue
+            elif isinstance(ev, ToolCallDiscard):
+                delta.discarded.append(ev.index)
             elif isinstance(ev, ToolCallStart):
                 delta.tool_calls.append(ToolCallDelta(ev.index, ev.id, ev.name, ""))
             elif isinstance(ev, ToolCallArgs):
@@ -185,8 +197,19 @@ class OutputPipeline:
                 self._calls_done.add(ev.index)
                 if ev.index not in self._args_sent:
                     self._args_sent.add(ev.index)
-                    args = json.dumps(ev.arguments, ensure_ascii=False)
+                    args = ev.arguments_json or json.dumps(ev.arguments, ensure_ascii=False)
                     delta.tool_calls.append(ToolCallDelta(ev.index, arguments=args))
+
+    def _admits(self, event: ToolCallStart | ToolCallArgs | ToolCallEnd | ToolCallDiscard) -> bool:
+        """Every call, or with parallel tool calls off only the first that is not discarded."""
+        if self._parallel:
+            return True
+        if self._only_call is None and isinstance(event, ToolCallStart):
+            self._only_call = event.index
+        admitted = event.index == self._only_call
+        if admitted and isinstance(event, ToolCallDiscard):
+            self._only_call = None
+        return admitted
 
     def _finish_reason(self, engine_reason: str | None) -> str:
         if self.stopped_by_string:
@@ -231,6 +254,8 @@ class Accumulator:
             acc.id = tc.id or acc.id
             acc.name = tc.name or acc.name
             acc.arguments += tc.arguments
+        for index in delta.discarded:
+            self.calls.pop(index, None)
         self.logprobs += delta.logprobs
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.structured import OutputConstraint, forced_calls
+from mlxserve.api.structured import OutputConstraint, forced_calls, strict_calls
 from mlxserve.chat import PromptRequest
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -220,7 +220,11 @@ class ChatCompletionRequest(_SamplingFields):
             )
         if forced is not None:
             return forced
-        return OutputConstraint(json_schema=schema) if schema is not None else None
+        if schema is not None:
+            return OutputConstraint(json_schema=schema)
+        if self.tools_enabled and self.tool_choice in (None, "auto"):
+            return strict_calls(self.tool_dicts(), self.parallel_tool_calls is not False)
+        return None
 
     @property
     def effective_max_tokens(self) -> int | None:

@@ -34,7 +34,12 @@ from mlxserve.api.notices import warn_once
 from mlxserve.api.protocol import FunctionSpec
 from mlxserve.api.responses_protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
-from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
+from mlxserve.api.structured import (
+    OutputConstraint,
+    forced_calls,
+    strict_calls,
+    with_response_format,
+)
 from mlxserve.chat import PromptRequest
 
 Item = Mapping[str, Any]
@@ -410,7 +415,7 @@ def _constraint(
     if isinstance(choice, Mapping) and choice.get("type") == "function":
         return forced_calls(tools, str(choice.get("name")), parallel)
     if fmt is None:
-        return None
+        return strict_calls(tools, parallel) if choice in (None, "auto") else None
     spec = fmt.get("json_schema")
     schema = spec["schema"] if isinstance(spec, Mapping) else {"type": "object"}
     return OutputConstraint(json_schema=schema)

@@ -7,6 +7,10 @@ llguidance grammar (its serialized form, a string the engine's matcher takes):
 - tool calls: one or more calls (one with `parallel=False`) of the allowed
   tools, written in DSML for DeepSeek-V4/V4.1 or as Hermes `<tool_call>` JSON,
   each call's arguments valid under that tool's `parameters` schema.
+- optional calls (`tool_choice: auto` with `strict` functions): free text, and
+  once the model opens a call block the grammar takes over (a lazy grammar:
+  text up to the block's opening marker is free). Strict functions' arguments
+  follow their schema; other functions may be called with any parameters.
 
 A schema the library cannot compile is a `StructuredOutputError` naming the
 problem (the API answers 400).
@@ -25,6 +29,7 @@ import llguidance
 MAX_SCHEMA_BYTES = 64 * 1024
 _DSML_PREFIX = {"deepseek_v4": "｜DSML｜", "deepseek_v41": "｜DSML｜ "}
 _DSML_BLOCK = {"deepseek_v4": "tool_calls", "deepseek_v41": "calls"}
+DSML_LEAD = "\n\n"
 _REF_KEYS = ("$defs", "definitions")
 # Compact JSON as `json.dumps` writes it: no free whitespace, which a weak model
 # would otherwise fill forever.
@@ -61,11 +66,15 @@ class StructuredOutputError(ValueError):
 
 @dataclass(frozen=True)
 class OutputConstraint:
-    """What a request's answer must be: JSON under `json_schema`, or calls of `tools`."""
+    """What a request's answer must be: JSON under `json_schema`, or calls of `tools`.
+
+    `optional`: calls may be made or not (free text until a call block opens).
+    """
 
     json_schema: Mapping[str, Any] | None = None
     tools: tuple[Mapping[str, Any], ...] = ()  # OpenAI function objects allowed
     parallel: bool = True
+    optional: bool = False
 
 
 def forced_calls(
@@ -76,6 +85,19 @@ def forced_calls(
     if name is not None:
         functions = [f for f in functions if f.get("name") == name]
     return OutputConstraint(tools=tuple(functions), parallel=parallel)
+
+
+def strict_calls(
+    tools: Sequence[Mapping[str, Any]] | None, parallel: bool
+) -> OutputConstraint | None:
+    """For `tool_choice: auto`: calls stay optional, strict functions' arguments are enforced.
+
+    None when no function asks for `strict` (nothing to enforce).
+    """
+    functions = tuple(t.get("function", t) for t in tools or ())
+    if not any(f.get("strict") is True for f in functions):
+        return None
+    return OutputConstraint(tools=functions, parallel=parallel, optional=True)
 
 
 def with_response_format(
@@ -156,6 +178,37 @@ def _dsml_param(
     return [f'{rule}: {head} %json{value} {close} "\\n"']
 
 
+def _free_text(opener: str) -> list[str]:
+    """`free`: text without `opener`; `lead`: text up to and including its first `opener`."""
+    marker = _lark_string(opener)
+    without = f"/(.|\\n)*/ & ~/(.|\\n)*{_lark_regex(opener)}(.|\\n)*/"
+    return ["free: FREE", f"FREE: {without}", f"lead[suffix={marker}]: {without}"]
+
+
+def _lark_regex(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/."""
+    out = []
+    for char in text:
+        out.append("\\" + char if char in r"\/.^$|?*+()[]{}-" else char)
+    return "".join(out)
+
+
+def _dsml_free_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
+    """An invoke of a non-strict function: any parameters, well formed."""
+    head = _lark_string(f'<{p}invoke name="{function["name"]}">\n')
+    tail = _lark_string(f"</{p}invoke>\n")
+    open_param = _lark_string(f'<{p}parameter name="')
+    kind = _lark_string('" string="')
+    end_attrs = _lark_string('">')
+    close = _lark_string(f"</{p}parameter>")
+    return [
+        f"invoke{index}: {head} any_param{index}* {tail}",
+        f'any_param{index}: {open_param} PNAME {kind} ("true" | "false") {end_attrs} '
+        f'any_value{index} "\\n"',
+        f"any_value{index}[suffix={close}]: /(.|\\n)*/",
+    ]
+
+
 def _dsml_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
     name = function["name"]
     params = function.get("parameters") or {"type": "object", "properties": {}}
@@ -178,27 +231,42 @@ def _dsml_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
     return rules
 
 
-def dsml_grammar(tools: Sequence[Mapping[str, Any]], dialect: str, parallel: bool) -> str:
+def dsml_grammar(
+    tools: Sequence[Mapping[str, Any]], dialect: str, parallel: bool, optional: bool = False
+) -> str:
     """DSML tool calls (`dialect` "deepseek_v4" or "deepseek_v41") of the given tools."""
     p, block = _DSML_PREFIX[dialect], _DSML_BLOCK[dialect]
     rules: list[str] = []
     for i, function in enumerate(tools):
         _check_size(function.get("parameters") or {}, f"tool {function['name']!r} parameters")
-        rules += _dsml_invoke(i, function, p)
+        if optional and function.get("strict") is not True:
+            rules += _dsml_free_invoke(i, function, p)
+        else:
+            rules += _dsml_invoke(i, function, p)
     choice = " | ".join(f"invoke{i}" for i in range(len(tools)))
     repeat = "+" if parallel else ""
-    opener = _lark_string(f"\n\n<{p}{block}>\n")
-    closer = _lark_string(f"</{p}{block}>")
-    lark = "\n".join([f"start: {opener} ({choice}){repeat} {closer}", *rules])
+    calls = f"({choice}){repeat} {_lark_string(f'</{p}{block}>')}"
+    if optional:
+        # The lead text is free; its first opening marker starts the block.
+        rules += _free_text(f"<{p}{block}>")
+        rules.append('PNAME: /[^"<>\\n]+/')
+        start = f'start: free | lead "\\n" {calls} free'
+    else:
+        start = f"start: {_lark_string(f'{DSML_LEAD}<{p}{block}>' + chr(10))} {calls}"
+    lark = "\n".join([start, *rules])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
 
 
-def hermes_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
+def hermes_grammar(
+    tools: Sequence[Mapping[str, Any]], parallel: bool, optional: bool = False
+) -> str:
     """Hermes `<tool_call>{"name", "arguments"}</tool_call>` calls of the given tools."""
     calls = []
     for function in tools:
         params = function.get("parameters") or {"type": "object"}
         _check_size(params, f"tool {function['name']!r} parameters")
+        if optional and function.get("strict") is not True:
+            params = {"type": "object"}
         calls.append(
             {
                 "type": "object",
@@ -208,12 +276,13 @@ def hermes_grammar(tools: Sequence[Mapping[str, Any]], parallel: bool) -> str:
             }
         )
     schema = _compact(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    call = f'"<tool_call>\\n" %json{json.dumps(schema, ensure_ascii=False)} "\\n</tool_call>"'
-    lark = (
-        f"start: call ({_lark_string(chr(10))} call)*\ncall: {call}"
-        if parallel
-        else f"start: {call}"
-    )
+    body = f'"\\n" %json{json.dumps(schema, ensure_ascii=False)} "\\n</tool_call>"'
+    more = '("\\n<tool_call>" body)*' if parallel else ""
+    if optional:
+        rules = [f"start: free | lead body {more} free", *_free_text("<tool_call>")]
+    else:
+        rules = [f'start: "<tool_call>" body {more}']
+    lark = "\n".join([*rules, f"body: {body}"])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
 
 
@@ -222,9 +291,9 @@ def constraint_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
 
     Built once per distinct constraint (agents repeat the same tools every turn).
     """
+    # Not sorted: the grammar writes properties in the schema's order.
     key = json.dumps(
-        [constraint.json_schema, list(constraint.tools), constraint.parallel],
-        sort_keys=True,
+        [constraint.json_schema, list(constraint.tools), constraint.parallel, constraint.optional],
         ensure_ascii=False,
     )
     return _cached_grammar(key, tool_syntax)
@@ -232,8 +301,8 @@ def constraint_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
 
 @functools.lru_cache(maxsize=128)
 def _cached_grammar(key: str, tool_syntax: str) -> str:
-    schema, tools, parallel = json.loads(key)
-    return _build_grammar(OutputConstraint(schema, tuple(tools), parallel), tool_syntax)
+    schema, tools, parallel, optional = json.loads(key)
+    return _build_grammar(OutputConstraint(schema, tuple(tools), parallel, optional), tool_syntax)
 
 
 def _build_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
@@ -242,9 +311,9 @@ def _build_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
     if not constraint.tools:
         raise StructuredOutputError("a tool-call constraint needs at least one tool")
     if tool_syntax in _DSML_PREFIX:
-        return dsml_grammar(constraint.tools, tool_syntax, constraint.parallel)
+        return dsml_grammar(constraint.tools, tool_syntax, constraint.parallel, constraint.optional)
     if tool_syntax == "hermes":
-        return hermes_grammar(constraint.tools, constraint.parallel)
+        return hermes_grammar(constraint.tools, constraint.parallel, constraint.optional)
     raise StructuredOutputError(
         f"this model's tool-call syntax ({tool_syntax!r}) cannot be enforced; "
         "use tool_choice 'auto'"

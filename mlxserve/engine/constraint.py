@@ -7,11 +7,16 @@ constrained request arrives). `ConstraintState` follows one request: until a
 gives the mask of allowed next tokens and consumes the sampled one. When the
 grammar is complete the mask allows only end-of-sequence, so the request
 stops with complete output. Rows without a constraint never touch any of this.
+
+The next mask is computed on a worker thread as soon as a token is consumed
+(llguidance drops the GIL while it computes), so it is ready by the time the
+next forward's logits are: the decode step does not wait on the grammar.
 """
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,10 @@ import numpy as np
 from mlxserve.engine.request import Constraint
 
 logger = logging.getLogger(__name__)
+
+# Masks are computed here, off the owner thread; one at a time keeps a step's
+# mask work on one core beside the forward.
+_MASK_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxserve-grammar")
 
 
 class ConstraintError(RuntimeError):
@@ -58,6 +67,7 @@ class ConstraintState:
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
         import llguidance
+        from llguidance.numpy import allocate_token_bitmask
 
         self._start_after = frozenset(constraint.start_after)
         self.active = not self._start_after
@@ -65,10 +75,28 @@ class ConstraintState:
         self._matcher = llguidance.LLMatcher(tokenizer.get(), constraint.grammar, log_level=0)
         if self._matcher.is_error():
             raise ConstraintError(f"the grammar failed: {self._matcher.get_error()}")
+        self._mask = allocate_token_bitmask(1, self._vocab)
+        self._next: Future[None] | None = None
+        if self.active:
+            self._prepare()
+
+    def _prepare(self) -> None:
+        """Start computing the mask for the next token (the matcher is not touched until done)."""
+        from llguidance.numpy import fill_next_token_bitmask
+
+        self._next = _MASK_WORKER.submit(fill_next_token_bitmask, self._matcher, self._mask)
+
+    def _wait(self) -> None:
+        if self._next is not None:
+            next_mask, self._next = self._next, None
+            next_mask.result()
 
     def allowed(self, vocab_size: int) -> mx.array:
         """A (vocab_size,) bool mask of the tokens the grammar allows next."""
-        words = np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+        if self._next is None:
+            self._prepare()
+        self._wait()
+        words = self._mask.view(np.uint8)[0]
         bits = np.unpackbits(words, bitorder="little")[: min(self._vocab, vocab_size)]
         if len(bits) < vocab_size:
             bits = np.concatenate([bits, np.zeros(vocab_size - len(bits), dtype=np.uint8)])
@@ -78,10 +106,14 @@ class ConstraintState:
         """Record the sampled token (it switches the grammar on when it ends reasoning)."""
         if not self.active:
             self.active = token in self._start_after
+            if self.active:
+                self._prepare()
             return
+        self._wait()
         if self._matcher.is_stopped():
             return
         if not self._matcher.consume_token(token):
             raise ConstraintError(
                 f"the grammar rejected token {token}: {self._matcher.get_error()}"
             )
+        self._prepare()

@@ -9,9 +9,9 @@ padding columns in its cache each step (docs/mixed-batches.md has the
 measurements). Requests prefill over their own caches. A finished prefill
 joins the decode batch when every layer of its cache can be merged: mlx-lm's
 plain and sliding-window KV caches (`BatchKVCache`, `BatchRotatingKVCache`,
-left-padded) and mlx-vlm's DeepSeek-V4 caches (see `models/dsv4_batch.py`).
-Other cache types (e.g. DeepSeek-V4.1 layer caches) cannot be merged, so each
-such request decodes as its own batch of one.
+left-padded), mlx-vlm's DeepSeek-V4 caches and DeepSeek-V4.1's layer caches
+(see `models/dsv4_batch.py`, `models/dsv41_cache.py`). Other cache types
+cannot be merged, so each such request decodes as its own batch of one.
 
 Snapshots for the prefix cache are scheduled with `mx.async_eval` after the
 step's tokens are sampled, so the copies overlap what follows.

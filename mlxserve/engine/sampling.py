@@ -128,6 +128,9 @@ def sample_rows(
     ):
         tokens = int_list(mx.argmax(logits, axis=-1))
         return [SampledRow(t, None, None) for t in tokens]
+    if any(s.constrained for s in states):
+        # The forward runs while the grammar masks are finished on their worker.
+        mx.async_eval(logits)
     picked: list[mx.array] = []
     logprob_rows: list[mx.array | None] = []
     for index, (params, state) in enumerate(zip(params_list, states, strict=True)):

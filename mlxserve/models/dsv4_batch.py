@@ -12,6 +12,7 @@ complete window; `BatchCarryingPoolingCache` keeps one carried window per row:
 
 `merge_layer` turns one request's layer cache into a batch of one; `mergeable`
 says whether a layer cache can be merged at all (checked on an empty probe).
+DeepSeek-V4.1's `LayerCache` (mlx-lm) merges into `dsv41_cache.BatchLayerCache`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_vlm.models.cache import (
     BatchPoolingCache,
     BatchRotatingKVCache,
@@ -28,6 +30,7 @@ from mlx_vlm.models.cache import (
 )
 
 from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+from mlxserve.models.dsv41_cache import BatchLayerCache
 
 
 class BatchCarryingPoolingCache(BatchPoolingCache):
@@ -146,10 +149,10 @@ def _sentinel(
 
 
 def mergeable(layer: Any) -> bool:
-    """Whether `merge_layer` can turn this (mlx-vlm) layer cache into a batch."""
+    """Whether `merge_layer` can turn this (mlx-vlm, or V4.1) layer cache into a batch."""
     if type(layer) is CacheList:
         return all(mergeable(child) for child in layer.caches)
-    return type(layer) in (RotatingKVCache, CarryingPoolingCache, PoolingCache)
+    return type(layer) in (RotatingKVCache, CarryingPoolingCache, PoolingCache, LayerCache)
 
 
 def merge_layer(layer: Any) -> Any:
@@ -163,4 +166,6 @@ def merge_layer(layer: Any) -> Any:
         return BatchCarryingPoolingCache.merge([layer])
     if kind is PoolingCache:
         return BatchPoolingCache.merge([layer])
+    if kind is LayerCache:  # DeepSeek-V4.1 (its model wrapped by dsv41_batch.install)
+        return BatchLayerCache.merge([layer])
     raise TypeError(f"{kind.__name__} cannot be merged into a decode batch")

@@ -126,8 +126,15 @@ def _deepseek_v4_config(layers: int, hidden: int) -> dict[str, Any]:
 
 
 def _deepseek_v41_config(layers: int, hidden: int) -> dict[str, Any]:
-    ratios = ([0, 4, 128, 4] * ((layers + 3) // 4))[:layers]
-    compressing = tuple(i for i, r in enumerate(ratios) if r)
+    # V4.1 layers share compressed KV and top-k picks: a compressing layer that
+    # is not an index source attends with the picks of the index layer before
+    # it, so both must compress at the same ratio. Each block of four: window
+    # only, a KV + index source at ratio 4, a ratio-4 layer that reads both
+    # from it, and a ratio-1 KV + index source.
+    # (V4's 0/4/128/4 here made the ratio-128 layer gather ratio-4 picks past
+    # the end of its own entries: NaN logits from 128 tokens on.)
+    ratios = ([0, 4, 4, 1] * ((layers + 3) // 4))[:layers]
+    compressing = tuple(i for i, r in enumerate(ratios) if r and i % 4 != 2)
     return {
         "model_type": "deepseek_v41",
         "vocab_size": VOCAB_SIZE,
@@ -146,7 +153,7 @@ def _deepseek_v41_config(layers: int, hidden: int) -> dict[str, Any]:
         "sliding_window": 16,
         "compress_ratios": ratios,
         "kv_source_layer_ids": list(compressing),
-        "index_source_layer_ids": [i for i in compressing if ratios[i] == 4],
+        "index_source_layer_ids": list(compressing),
         "candidate_source_layer_id": -1,
         "index_n_heads": 2,
         "index_head_dim": 16,

@@ -17,6 +17,7 @@ from mlxserve.parsers.events import (
     ReasoningDelta,
     StreamParser,
     ToolCallArgs,
+    ToolCallDiscard,
     ToolCallEnd,
     ToolCallStart,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "ReasoningDelta",
     "StreamParser",
     "ToolCallArgs",
+    "ToolCallDiscard",
     "ToolCallEnd",
     "ToolCallStart",
     "accumulate",
@@ -64,6 +66,8 @@ def accumulate(events: Iterable[ParserEvent]) -> dict[str, Any]:
         elif isinstance(event, ToolCallEnd):
             calls.setdefault(event.index, {"name": event.name, "arguments": {}})
             calls[event.index]["arguments"] = event.arguments
+        elif isinstance(event, ToolCallDiscard):
+            calls.pop(event.index, None)
     return {
         "reasoning_content": "".join(reasoning) or None,
         "content": "".join(content) or None,

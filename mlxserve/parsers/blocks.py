@@ -3,9 +3,11 @@
 Outside a block, text is content, except a tail that could still grow into
 an opening marker (plus the `lead` that belongs to the block, e.g. DSML's
 blank line), which is held back. From an opening marker on, text goes to a
-format-specific `BlockScanner` and is buffered until the block closes and
-validates; only then are tool-call events emitted. A block that turns out
-malformed is given back as content verbatim: its opening is emitted as
+format-specific `BlockScanner`. A call is streamed as it is generated: a
+`ToolCallStart` once its name is known, then `ToolCallArgs` fragments of its
+JSON arguments, and a `ToolCallEnd` when the block closes and validates. A
+block that turns out malformed is given back as content verbatim: each call
+of it already streamed gets a `ToolCallDiscard`, its opening is emitted as
 content and the rest is scanned again as ordinary text (it may hold a later
 block). A block still open at `finish()` is content too. Nothing is dropped.
 """
@@ -22,6 +24,7 @@ from mlxserve.parsers.events import (
     ContentDelta,
     ParserEvent,
     ToolCallArgs,
+    ToolCallDiscard,
     ToolCallEnd,
     ToolCallStart,
     new_call_id,
@@ -36,12 +39,18 @@ class Status(enum.Enum):
 
 
 ToolCall = tuple[str, dict[str, Any]]
+# What a scanner streamed since it was last asked: (call number in the block,
+# the call's name when it starts here, else None; a fragment of its arguments).
+Progress = tuple[int, str | None, str]
 
 
 class BlockScanner(ABC):
     """Scans one block's text (everything after its opening marker).
 
     Keeps what was fed (for `raw_text`) and the unscanned tail `_buf[_pos:]`.
+    A scanner may stream calls as it reads them (`_start_call`, `_fragment`);
+    a call it streamed must, when the block is DONE, be in `calls` at the same
+    position, its fragments concatenating to its whole arguments text.
     """
 
     calls: list[ToolCall]
@@ -51,6 +60,8 @@ class BlockScanner(ABC):
         self._buf = ""
         self._pos = 0
         self.calls = []
+        self.streamed: list[list[str]] = []  # fragments of each call streamed so far
+        self._progress: list[Progress] = []
 
     @abstractmethod
     def feed(self, text: str) -> Status:
@@ -70,15 +81,19 @@ class BlockScanner(ABC):
         """After DONE: text fed beyond the closing marker."""
         return self._buf[self._pos :]
 
+    def _start_call(self, name: str) -> None:
+        self.streamed.append([])
+        self._progress.append((len(self.streamed) - 1, name, ""))
 
-def call_events(index: int, name: str, arguments: dict[str, Any]) -> list[ParserEvent]:
-    """The start / arguments / end events of one complete tool call."""
-    call_id = new_call_id()
-    return [
-        ToolCallStart(index=index, id=call_id, name=name),
-        ToolCallArgs(index=index, arguments=json.dumps(arguments, ensure_ascii=False)),
-        ToolCallEnd(index=index, arguments=arguments, id=call_id, name=name),
-    ]
+    def _fragment(self, text: str) -> None:
+        """More arguments text of the call streamed last."""
+        if text:
+            self.streamed[-1].append(text)
+            self._progress.append((len(self.streamed) - 1, None, text))
+
+    def take_progress(self) -> list[Progress]:
+        progress, self._progress = self._progress, []
+        return progress
 
 
 class BlockToolParser(ABC):
@@ -91,6 +106,7 @@ class BlockToolParser(ABC):
         self._scanner: BlockScanner | None = None
         self._head = ""  # lead + opening marker of the open block
         self._next_index = 0
+        self._ids: list[str] = []  # ids of the open block's streamed calls
 
     @property
     def openers(self) -> tuple[str, ...]:
@@ -119,6 +135,8 @@ class BlockToolParser(ABC):
         events: list[ParserEvent] = []
         text = self._buf
         if self._scanner is not None:
+            self._stream(self._scanner, events)
+            self._discard(events)
             text = self._head + self._scanner.raw_text()
         self._buf, self._scanner, self._head = "", None, ""
         if text:
@@ -146,16 +164,57 @@ class BlockToolParser(ABC):
         self._after_block(self._scanner.feed(text[end:]), events)
         return True
 
+    def _stream(self, scanner: BlockScanner, events: list[ParserEvent]) -> None:
+        """The starts and argument fragments the scanner read since the last call."""
+        for number, name, fragment in scanner.take_progress():
+            index = self._next_index + number
+            if name is not None:
+                self._ids.append(new_call_id())
+                events.append(ToolCallStart(index=index, id=self._ids[number], name=name))
+            if not fragment:
+                continue
+            last = events[-1] if events else None
+            if isinstance(last, ToolCallArgs) and last.index == index:
+                events[-1] = ToolCallArgs(index=index, arguments=last.arguments + fragment)
+            else:
+                events.append(ToolCallArgs(index=index, arguments=fragment))
+
+    def _discard(self, events: list[ParserEvent]) -> None:
+        """Void the open block's streamed calls; their indices are not reused."""
+        for number in range(len(self._ids)):
+            events.append(ToolCallDiscard(self._next_index + number))
+        self._next_index += len(self._ids)
+        self._ids = []
+
     def _after_block(self, status: Status, events: list[ParserEvent]) -> None:
         scanner = self._scanner
-        if scanner is None or status is Status.MORE:
+        if scanner is None:
+            return
+        self._stream(scanner, events)
+        if status is Status.MORE:
             return
         if status is Status.DONE:
-            for name, arguments in scanner.calls:
-                events.extend(call_events(self._next_index, name, arguments))
-                self._next_index += 1
+            self._end_calls(scanner, events)
             self._buf = scanner.remainder()
         else:
+            self._discard(events)
             events.append(ContentDelta(self._head))
             self._buf = scanner.raw_text()
         self._scanner, self._head = None, ""
+
+    def _end_calls(self, scanner: BlockScanner, events: list[ParserEvent]) -> None:
+        for number, (name, arguments) in enumerate(scanner.calls):
+            index = self._next_index + number
+            if number < len(self._ids):
+                call_id, text = self._ids[number], "".join(scanner.streamed[number])
+            else:  # a call the scanner could not stream: all of it now
+                call_id, text = new_call_id(), json.dumps(arguments, ensure_ascii=False)
+                events.append(ToolCallStart(index=index, id=call_id, name=name))
+                events.append(ToolCallArgs(index=index, arguments=text))
+            events.append(
+                ToolCallEnd(
+                    index=index, arguments=arguments, id=call_id, name=name, arguments_json=text
+                )
+            )
+        self._next_index += len(scanner.calls)
+        self._ids = []

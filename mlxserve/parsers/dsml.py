@@ -71,6 +71,12 @@ _INVOKE_END = '">'
 _STRING_ATTRS = ('" string="true">', '" string="false">')
 
 
+def _json(value: Any) -> str:
+    # As the whole arguments object is written: JSON escaping is per character,
+    # so a string's pieces escape to the pieces of its escaped form.
+    return json.dumps(value, ensure_ascii=False)
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"not JSON: {name}")
 
@@ -87,6 +93,7 @@ class DsmlScanner(BlockScanner):
         self._key = ""
         self._is_string = True
         self._value: list[str] = []
+        self._params = 0  # parameters of the open invoke, for the streamed JSON
         self._value_ends = (dialect.param_open, dialect.invoke_close)
         self._look = max(len(end) for end in self._value_ends)
 
@@ -162,6 +169,8 @@ class DsmlScanner(BlockScanner):
                 self._pos -= len(name)  # read the name again with more text
             return got
         self._name, self._args, self._state = name, {}, "invoke"
+        self._params = 0
+        self._start_call(name)
         return None
 
     def _invoke(self) -> Status | None:
@@ -171,6 +180,7 @@ class DsmlScanner(BlockScanner):
             return got
         if got == 1:
             self.calls.append((self._name, self._args))
+            self._fragment("}" if self._params else "{}")
             self._state = "between"
         else:
             self._state = "param_name"
@@ -189,6 +199,9 @@ class DsmlScanner(BlockScanner):
             return got
         self._key, self._is_string, self._value = key, got == 0, []
         self._state = "value"
+        opening = "{" if self._params == 0 else ", "
+        self._params += 1
+        self._fragment(f"{opening}{_json(key)}: " + ('"' if self._is_string else ""))
         return None
 
     def _param_value(self) -> Status | None:
@@ -199,7 +212,7 @@ class DsmlScanner(BlockScanner):
             after = nxt.end() if nxt is not None else at + len(close)
             tail = buf[after : after + self._look]
             if any(tail.startswith(end) for end in self._value_ends):
-                self._value.append(buf[pos:at])
+                self._add_value(buf[pos:at])
                 self._pos = at + len(close)
                 return self._end_value()
             if after == len(buf) or any(end.startswith(tail) for end in self._value_ends):
@@ -207,20 +220,30 @@ class DsmlScanner(BlockScanner):
             at = buf.find(close, at + 1)
         if at < 0:
             at = len(buf) - partial_marker_len(buf[pos:], (close,))
-        self._value.append(buf[pos:at])
+        self._add_value(buf[pos:at])
         self._pos = at
         return Status.MORE
+
+    def _add_value(self, text: str) -> None:
+        """Text that is certainly part of the value (a string streams as it comes)."""
+        if text:
+            self._value.append(text)
+            if self._is_string:
+                self._fragment(_json(text)[1:-1])
 
     def _end_value(self) -> Status | None:
         text = "".join(self._value)
         self._value = []
         if self._is_string:
             self._args[self._key] = text
+            self._fragment('"')
         else:
             try:
-                self._args[self._key] = json.loads(text, parse_constant=_reject_constant)
+                value = json.loads(text, parse_constant=_reject_constant)
             except (ValueError, RecursionError):
                 return Status.BAD
+            self._args[self._key] = value
+            self._fragment(_json(value))
         self._state = "invoke"
         return None
 

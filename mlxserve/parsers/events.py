@@ -40,15 +40,33 @@ class ToolCallArgs:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEnd:
-    """A tool call is complete; `arguments` is the decoded arguments object."""
+    """A tool call is complete and valid; `arguments` is the decoded arguments object.
+
+    `arguments_json` is the call's whole arguments text: exactly the concatenation
+    of its `ToolCallArgs` fragments.
+    """
 
     index: int
     arguments: dict[str, Any] = field(default_factory=dict)
     id: str = ""
     name: str = ""
+    arguments_json: str = ""
 
 
-ParserEvent = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd
+@dataclass(frozen=True, slots=True)
+class ToolCallDiscard:
+    """A call that was streamed as it was generated turned out malformed or cut off.
+
+    Its block is given back as content (a `ContentDelta` follows); the call
+    and its fragments are void, and its index is not used again.
+    """
+
+    index: int
+
+
+ParserEvent = (
+    ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgs | ToolCallEnd | ToolCallDiscard
+)
 
 
 class StreamParser(Protocol):

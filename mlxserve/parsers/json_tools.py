@@ -5,6 +5,11 @@ so a `</tool_call>` inside a string value does not end the call. The
 object must be followed, after optional whitespace, by `</tool_call>`;
 `arguments` may be an object or a JSON string holding one. Anything else
 is malformed and stays content (see `blocks.py`).
+
+A call written the usual way, `{"name": "…", "arguments": {…}}`, streams as
+it arrives: its start once the name is read, then the arguments object's
+text verbatim, which is also its final `arguments` string. Other shapes are
+emitted whole when the call closes.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ HERMES_LEAD = "\n"
 
 _OUTSIDE = re.compile(r'["{}\[\]]')
 _INSIDE = re.compile(r'["\\]')
+# The head of a call that can stream: name first, then an arguments object.
+_STREAM_HEAD = re.compile(
+    r'\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
+)
+# A head longer than this is not looked for (the call is emitted whole).
+_MAX_HEAD = 1024
 
 
 def _decode_call(text: str) -> tuple[str, dict[str, Any]] | None:
@@ -54,6 +65,10 @@ class JsonCallScanner(BlockScanner):
         self._depth = 0
         self._in_string = False
         self._escape = False
+        self._scanned = 0  # characters of the object scanned so far
+        self._args_start: int | None = None  # where the streamed arguments begin
+        self._args_end: int | None = None  # where the first nested value closed
+        self._name = ""
 
     def feed(self, text: str) -> Status:
         self._take(text)
@@ -65,9 +80,40 @@ class JsonCallScanner(BlockScanner):
             if self._buf[self._pos] != "{":
                 return Status.BAD
             self._state = "object"
-        if self._state == "object" and not self._scan_object():
-            return Status.MORE
+        if self._state == "object":
+            closed = self._scan_object()
+            self._stream()
+            if not closed:
+                return Status.MORE
         return self._close()
+
+    def _stream(self) -> None:
+        """Find the streamable head once, then pass on the arguments text as it comes."""
+        start = self._args_start
+        piece_start = self._scanned - len(self._obj[-1])
+        if start is None:
+            if self._scanned > _MAX_HEAD + len(self._obj[-1]):
+                return
+            head = _STREAM_HEAD.match("".join(self._obj))
+            if head is None:
+                return
+            try:
+                name = json.loads(head.group(1))
+            except ValueError:
+                return
+            if not name:
+                return
+            self._name = name
+            start = self._args_start = head.end()
+            self._start_call(self._name)
+            piece_start = 0
+            text = "".join(self._obj)
+        else:
+            text = self._obj[-1]
+        end = self._scanned if self._args_end is None else self._args_end
+        lo, hi = max(start, piece_start) - piece_start, end - piece_start
+        if hi > lo:
+            self._fragment(text[lo:hi])
 
     def _scan_object(self) -> bool:
         """Advance through the object; True once its closing brace was consumed."""
@@ -90,13 +136,19 @@ class JsonCallScanner(BlockScanner):
                 self._depth += 1
             else:
                 self._depth -= 1
+                if self._depth == 1 and self._args_end is None:
+                    self._args_end = self._scanned + pos - start
                 if self._depth == 0:
-                    self._obj.append(buf[start:pos])
+                    self._add_scanned(buf[start:pos])
                     self._pos, self._state = pos, "post"
                     return True
-        self._obj.append(buf[start:pos])
+        self._add_scanned(buf[start:pos])
         self._pos = pos
         return False
+
+    def _add_scanned(self, text: str) -> None:
+        self._obj.append(text)
+        self._scanned += len(text)
 
     def _close(self) -> Status:
         buf = self._buf
@@ -106,11 +158,19 @@ class JsonCallScanner(BlockScanner):
         if tail != TOOL_CALL_CLOSE:
             return Status.MORE if TOOL_CALL_CLOSE.startswith(tail) else Status.BAD
         call = _decode_call("".join(self._obj))
-        if call is None:
+        if call is None or (self.streamed and not self._streamed_matches(call)):
             return Status.BAD
         self.calls.append(call)
         self._pos = pos + len(TOOL_CALL_CLOSE)
         return Status.DONE
+
+    def _streamed_matches(self, call: tuple[str, dict[str, Any]]) -> bool:
+        """The streamed name and arguments text are what the whole object says."""
+        try:
+            streamed = json.loads("".join(self.streamed[0]))
+        except (ValueError, RecursionError):
+            return False
+        return call == (self._name, streamed)
 
 
 class HermesToolParser(BlockToolParser):
