@@ -47,10 +47,9 @@ class ModelAdapter:
     def last_logits(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
         """Logits of the last input position of each row, shape (B, V)."""
         if self._is_vlm_v4:
-            from mlx_vlm.models.linear import linear
-
-            hidden = self.module.model(inputs, cache=cache)
-            return linear(self.module.lm_head, hidden[:, -1:, :])[:, -1, :]
+            # mlx-vlm's `linear` is the module's own call for one position per row.
+            hidden = self.module.model(inputs, cache=cache)[:, -1:, :]
+            return _head(self.module.lm_head, hidden)[:, -1, :]
         if self.model_type in _PLAIN_HEAD_TYPES:
             hidden = self.module.model(inputs, cache)[:, -1:, :]
             tied = getattr(getattr(self.module, "args", None), "tie_word_embeddings", False)
@@ -79,7 +78,8 @@ def _head(lm_head: Any, hidden: mx.array) -> mx.array:
     On the CPU backend (reference BLAS) a plain float head over several rows
     runs about twice as fast as `W @ h^T` as it does as `h @ W^T` (measured
     with a 129k-row head; bit-equal there). Decode batches spend
-    most of a tiny model's step there.
+    most of a tiny model's step there. Used for mlx-lm's plain heads and
+    DeepSeek-V4's (mlx-vlm's `linear` calls the module itself for one position).
     """
     weight = getattr(lm_head, "weight", None)
     rows = hidden.shape[0]
