@@ -17,6 +17,17 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from batch_helpers import (
+    STEPS,
+    argmax,
+    check_rows_join_and_leave,
+    decode_together,
+    join,
+    prefill,
+    prompt_ids,
+    solo_tokens,
+    step,
+)
 from engine_helpers import run_requests, tokens_of
 
 from mlxserve.config import EngineConfig
@@ -26,8 +37,6 @@ from mlxserve.models.dsv41_cache import BatchLayerCache, RowBuffer
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
-
-STEPS = 14
 
 
 @pytest.fixture(scope="module")
@@ -61,51 +70,10 @@ def candidate_model(model_dir_factory, tmp_path_factory) -> LoadedModel:
     return load(out)
 
 
-def _prompt(length: int, seed: int) -> list[int]:
-    return [(37 * seed + 11 * i) % 250 + 3 for i in range(length)]
-
-
-def _argmax(logits: mx.array) -> list[int]:
-    return [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
-
-
-def _prefill(model: LoadedModel, prompt: list[int]) -> tuple[list[Any], int]:
-    cache = model.make_cache()
-    logits = model.model.last_logits(mx.array([prompt], dtype=mx.int32), cache)
-    return cache, _argmax(logits)[0]
-
-
-def _expected(model: LoadedModel, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    return {rid: greedy_generate(model, p, STEPS, stop_at_eos=False) for rid, p in prompts.items()}
-
-
-def _step(model: LoadedModel, batch: DecodeBatch, outputs: dict[str, list[int]]) -> None:
-    inputs = mx.array([[outputs[rid][-1]] for rid in batch.request_ids], dtype=mx.int32)
-    tokens = _argmax(model.model.last_logits(inputs, batch.cache))
-    for rid, token in zip(batch.request_ids, tokens, strict=True):
-        outputs[rid].append(token)
-
-
-def _join(model: LoadedModel, batch: DecodeBatch, outputs: dict, rid: str, prompt: list[int]):
-    cache, first = _prefill(model, prompt)
-    batch.add(rid, cache)
-    outputs[rid] = [first]
-
-
-def _decode_together(model: LoadedModel, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
-    batch = DecodeBatch()
-    outputs: dict[str, list[int]] = {}
-    for rid, prompt in prompts.items():
-        _join(model, batch, outputs, rid, prompt)
-    for _ in range(STEPS - 1):
-        _step(model, batch, outputs)
-    return outputs
-
-
 def test_v41_caches_merge_into_one_batch(model: LoadedModel) -> None:
     assert Runner(model).batchable
     batch = DecodeBatch()
-    _join(model, batch, {}, "a", _prompt(9, 1))
+    join(model, batch, {}, "a", prompt_ids(9, 1))
     assert {type(layer) for layer in batch.cache} == {BatchLayerCache}
 
 
@@ -113,54 +81,35 @@ def test_merged_batch_matches_single_runs(model: LoadedModel) -> None:
     # Every remainder mod 4, no closed group yet (1, 3), windows not yet full
     # (< 16), just full (15, 16, 17) and long past it (40, 63).
     lengths = [1, 3, 5, 10, 15, 16, 17, 40, 63, 22]
-    prompts = {f"r{i}": _prompt(n, i) for i, n in enumerate(lengths)}
-    assert _decode_together(model, prompts) == _expected(model, prompts)
+    prompts = {f"r{i}": prompt_ids(n, i) for i, n in enumerate(lengths)}
+    assert decode_together(model, prompts) == solo_tokens(model, prompts)
 
 
 def test_candidate_blocks_per_row(candidate_model: LoadedModel) -> None:
     # 9+ index keys (36+ tokens) make more than two candidate blocks.
     lengths = [2, 7, 21, 38, 45, 60]
-    prompts = {f"r{i}": _prompt(n, i + 3) for i, n in enumerate(lengths)}
-    expected = _expected(candidate_model, prompts)
-    assert _decode_together(candidate_model, prompts) == expected
+    prompts = {f"r{i}": prompt_ids(n, i + 3) for i, n in enumerate(lengths)}
+    expected = solo_tokens(candidate_model, prompts)
+    assert decode_together(candidate_model, prompts) == expected
 
 
 def test_rows_join_and_leave_mid_batch(model: LoadedModel) -> None:
-    lengths = {"a": 6, "b": 13, "c": 4, "d": 30, "e": 19, "f": 2}
-    prompts = {rid: _prompt(n, i + 7) for i, (rid, n) in enumerate(lengths.items())}
-    expected = _expected(model, prompts)
-    batch = DecodeBatch()
-    outputs: dict[str, list[int]] = {}
-    for rid in ("a", "b", "c"):
-        _join(model, batch, outputs, rid, prompts[rid])
-    joins = {3: ["d", "e"], 6: ["f"]}
-    leaves = {5: {"b"}, 9: {"a", "e"}}
-    for step in range(1, 24):
-        for rid in joins.get(step, []):
-            _join(model, batch, outputs, rid, prompts[rid])
-        done = {r for r in batch.request_ids if len(outputs[r]) >= STEPS}
-        batch.remove(leaves.get(step, set()) | done)
-        if not batch.request_ids:
-            break
-        _step(model, batch, outputs)
-    for rid, tokens in outputs.items():
-        assert tokens == expected[rid][: len(tokens)], rid
-    assert all(len(outputs[rid]) == STEPS for rid in ("c", "d", "f"))
+    check_rows_join_and_leave(model, {"a": 6, "b": 13, "c": 4, "d": 30, "e": 19, "f": 2})
 
 
 def test_extracted_row_is_the_single_run_cache(model: LoadedModel) -> None:
-    prompts = {"a": _prompt(7, 3), "b": _prompt(18, 4), "c": _prompt(2, 5)}
-    expected = _expected(model, prompts)
+    prompts = {"a": prompt_ids(7, 3), "b": prompt_ids(18, 4), "c": prompt_ids(2, 5)}
+    expected = solo_tokens(model, prompts)
     batch = DecodeBatch()
     outputs: dict[str, list[int]] = {}
     for rid, prompt in prompts.items():
-        _join(model, batch, outputs, rid, prompt)
+        join(model, batch, outputs, rid, prompt)
     for _ in range(5):
-        _step(model, batch, outputs)
+        step(model, batch, outputs)
     for row, rid in enumerate(batch.request_ids):
         cache = [layer.extract(row) for layer in batch.cache]
         # The same request alone: its prompt, then the same tokens one at a time.
-        alone, _ = _prefill(model, prompts[rid])
+        alone, _ = prefill(model, prompts[rid])
         for token in outputs[rid][:-1]:
             mx.eval(model.model.last_logits(mx.array([[token]], dtype=mx.int32), alone))
         fed = prompts[rid] + outputs[rid][:-1]
@@ -176,7 +125,7 @@ def test_extracted_row_is_the_single_run_cache(model: LoadedModel) -> None:
         tokens = list(outputs[rid])
         while len(tokens) < STEPS:
             logits = model.model.last_logits(mx.array([[tokens[-1]]], dtype=mx.int32), cache)
-            tokens.append(_argmax(logits)[0])
+            tokens.append(argmax(logits)[0])
         assert tokens == expected[rid], rid
 
 
@@ -207,21 +156,21 @@ def test_batch_bytes_are_counted_and_within_the_probed_cost(model: LoadedModel) 
     outputs: dict[str, list[int]] = {}
     lengths = {"a": 30, "b": 5, "c": 18, "d": 3}
     for i, (rid, n) in enumerate(lengths.items()):
-        _join(model, batch, outputs, rid, _prompt(n, i))
-    for step in range(1, 10):
-        _step(model, batch, outputs)
+        join(model, batch, outputs, rid, prompt_ids(n, i))
+    for number in range(1, 10):
+        step(model, batch, outputs)
         live = live_nbytes(batch.cache)
         assert live == sum(layer.nbytes for layer in batch.cache) > 0
-        tokens = [lengths[rid] + step for rid in batch.request_ids]
-        assert live <= cost.total(tokens, batched=True), step
-        if step == 5:
+        tokens = [lengths[rid] + number for rid in batch.request_ids]
+        assert live <= cost.total(tokens, batched=True), number
+        if number == 5:
             batch.remove({"a"})
 
 
 def test_engine_batches_v41_requests_like_single_runs(model_dir_factory) -> None:
     path = model_dir_factory("deepseek_v41")
     model = load(path)
-    prompts = [_prompt(n, i) for i, n in enumerate([3, 17, 40, 9, 25, 5])]
+    prompts = [prompt_ids(n, i) for i, n in enumerate([3, 17, 40, 9, 25, 5])]
     max_tokens = [6, 9, 4, 12, 7, 10]
     expected = [greedy_generate(model, p, n) for p, n in zip(prompts, max_tokens, strict=True)]
     jobs = [
@@ -271,7 +220,7 @@ def test_synthetic_v41_picks_index_entries_of_their_own_ratio(layers: int) -> No
 
 @pytest.mark.parametrize(("length", "chunk"), [(128, 16), (257, 257), (289, 16)])
 def test_no_nan_logits_past_128_tokens(model: LoadedModel, length: int, chunk: int) -> None:
-    prompt = _prompt(length, 1)
+    prompt = prompt_ids(length, 1)
     cache = model.make_cache()
     for start in range(0, length, chunk):
         piece = mx.array([prompt[start : start + chunk]], dtype=mx.int32)
