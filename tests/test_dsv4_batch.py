@@ -15,6 +15,7 @@ from batch_helpers import (
     STEPS,
     argmax,
     check_rows_join_and_leave,
+    decode_together,
     join,
     prompt_ids,
     solo_tokens,
@@ -47,14 +48,7 @@ def test_merged_batch_matches_single_runs(model: LoadedModel) -> None:
     # complete their first ratio-128 window during decode (125, 127).
     lengths = [3, 5, 10, 16, 23, 125, 127, 40]
     prompts = {f"r{i}": prompt_ids(n, i) for i, n in enumerate(lengths)}
-    expected = solo_tokens(model, prompts)
-    batch = DecodeBatch()
-    outputs: dict[str, list[int]] = {}
-    for rid, prompt in prompts.items():
-        join(model, batch, outputs, rid, prompt)
-    for _ in range(STEPS - 1):
-        step(model, batch, outputs)
-    assert outputs == expected
+    assert decode_together(model, prompts) == solo_tokens(model, prompts)
 
 
 def test_rows_join_and_leave_mid_batch(model: LoadedModel) -> None:
