@@ -107,3 +107,18 @@ def test_strict_auto_in_hermes_syntax() -> None:
     assert _accepts(grammar, "no call here")
     bad = '<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     assert not _accepts(grammar, bad)
+
+
+def test_strict_auto_in_v41_dsml() -> None:
+    constraint = strict_calls(TOOLS, parallel=True)
+    assert constraint is not None
+    grammar = constraint_grammar(constraint, "deepseek_v41")
+    call = (
+        '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="weather">\n'
+        '<｜DSML｜ parameter name="city" string="true">Oslo</｜DSML｜ parameter>\n'
+        '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    )
+    assert _accepts(grammar, "Sure." + call)
+    assert _accepts(grammar, "no call")
+    assert not _accepts(grammar, call.replace(">3<", ">9<"))
