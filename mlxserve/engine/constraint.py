@@ -67,7 +67,7 @@ class ConstraintState:
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
         import llguidance
-        from llguidance.numpy import allocate_token_bitmask
+        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         self._start_after = frozenset(constraint.start_after)
         self.active = not self._start_after
@@ -76,15 +76,14 @@ class ConstraintState:
         if self._matcher.is_error():
             raise ConstraintError(f"the grammar failed: {self._matcher.get_error()}")
         self._mask = allocate_token_bitmask(1, self._vocab)
+        self._fill = fill_next_token_bitmask
         self._next: Future[None] | None = None
         if self.active:
             self._prepare()
 
     def _prepare(self) -> None:
         """Start computing the mask for the next token (the matcher is not touched until done)."""
-        from llguidance.numpy import fill_next_token_bitmask
-
-        self._next = _MASK_WORKER.submit(fill_next_token_bitmask, self._matcher, self._mask)
+        self._next = _MASK_WORKER.submit(self._fill, self._matcher, self._mask)
 
     def _wait(self) -> None:
         if self._next is not None:
