@@ -226,7 +226,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
-    result = handler(args)
+    try:
+        result = handler(args)
+    except KeyboardInterrupt:  # Ctrl+C: the command has shut down; no traceback
+        return 130
     return int(result or 0)
 
 

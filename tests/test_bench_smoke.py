@@ -26,9 +26,12 @@ def test_bench_engine_reports_its_keys(tmp_path: Path, model_dir_factory) -> Non
         "short_ttft_under_long_prefill",
         "itl_under_long_prefill",
         "warm_ttft_8k_over_cold_64",
+        "warm_ttft_8k_over_suffix_forward",
+        "suffix_forward_over_cold_64",
     )
     for key in keys:
         assert figures[key] > 0
+    assert figures["warm_hits"] >= 3  # every warm turn was a hit
     assert figures["baseline"] == "mlx_lm"
 
 

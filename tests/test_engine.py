@@ -256,3 +256,43 @@ def test_engine_survives_a_failing_step(model_dir_factory, monkeypatch) -> None:
     assert bad[-1].finish_reason == "error"
     assert "broken lookup" in (bad[-1].error or "")
     assert len(tokens_of(good)) == 3
+
+
+_RUN_AND_EXIT = """
+import asyncio, sys
+from pathlib import Path
+from mlxserve.config import EngineConfig
+from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.request import SamplingParams
+from mlxserve.models.load import load
+
+async def main():
+    engine = AsyncEngine(EngineConfig(), lambda: load(Path(sys.argv[1])))
+    engine.start()
+    await engine.wait_ready()
+    async for _ in engine.submit(list(range(5, 40)), SamplingParams(max_tokens=3)):
+        pass
+    await engine.shutdown()
+
+asyncio.run(main())
+print("finished")
+"""
+
+
+def test_a_process_that_ran_the_engine_exits_cleanly(model_dir_factory) -> None:
+    """MLX work on the engine thread must not abort the process at exit
+    ("terminate called without an active exception", exit 134)."""
+    import subprocess
+    import sys
+
+    path = model_dir_factory("deepseek_v4")  # a plain llama did not show it
+    for _ in range(2):  # it came at most exits, not all
+        done = subprocess.run(
+            [sys.executable, "-c", _RUN_AND_EXIT, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().endswith("finished")
+        assert "terminate called" not in done.stderr

@@ -82,6 +82,7 @@ class Reference:
     def __init__(self, path: Path) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reference")
         self.model: Any = None
+        self._floor: SuffixFloor | None = None
         self._path = path
         self.model_type = read_config(path)["model_type"]
         self.name = "mlx_vlm" if self.model_type in VLM_TYPES else "mlx_lm"
@@ -96,6 +97,13 @@ class Reference:
             self.model = await loop.run_in_executor(self._pool, _load_reference, self._path)
         return await loop.run_in_executor(self._pool, fn, self.model, *args)
 
+    async def suffix_forward_s(self, history: list[int], suffix: list[int]) -> float:
+        """One bare forward of `suffix` on a ready cache of `history` (see SuffixFloor)."""
+        loop = asyncio.get_running_loop()
+        if self._floor is None:
+            self._floor = await loop.run_in_executor(self._pool, SuffixFloor, self._path, history)
+        return float(await loop.run_in_executor(self._pool, self._floor.forward_s, suffix))
+
     async def rate(self, prompt: list[int], tokens: int) -> float:
         fn = _mlx_vlm_rate if self.name == "mlx_vlm" else _mlx_lm_rate
         return float(await self._call(fn, prompt, tokens))
@@ -104,28 +112,39 @@ class Reference:
         return float(await self._call(_mlx_lm_batch_rate, prompts, tokens))
 
     def close(self) -> None:
+        import mlx.core as mx
+
+        # The pool's thread ran MLX work: it drops its streams before it ends
+        # (MLX's rule for a clean process exit).
+        self._pool.submit(mx.clear_streams).result()
         self._pool.shutdown(wait=True)
 
 
-def suffix_forward_s(path: Path, history: list[int], suffix: list[int], chunk: int = 512) -> float:
-    """Seconds of the bare forward that feeds `suffix` onto a cache already holding
-    `history` (no engine, no prefix cache): the floor of a warm turn's TTFT.
-    Call it on a thread of its own (it loads its own copy of the model)."""
-    import mlx.core as mx
+class SuffixFloor:
+    """A cache holding `history`, built once by our own forward (no engine, no
+    prefix cache), to time the bare forward of a new suffix on it: the floor of
+    a warm turn's TTFT. Build and use it on the reference thread."""
 
-    from mlxserve.cache.snapshot import copy_cache, share_cache
+    def __init__(self, path: Path, history: list[int], chunk: int = 512) -> None:
+        import mlx.core as mx
 
-    model = load(path)
-    cache = model.make_cache()
-    for start in range(0, len(history), chunk):
-        tokens = mx.array([history[start : start + chunk]], dtype=mx.int32)
-        mx.eval(model.model.last_logits(tokens, cache))
-    stored = copy_cache(cache)
-    timings = []
-    for _ in range(3):
-        ready = share_cache(stored)
-        mx.eval([a for layer in ready for a in layer.state if isinstance(a, mx.array)])
+        from mlxserve.cache.snapshot import copy_cache
+
+        self.model = load(path)
+        cache = self.model.make_cache()
+        for start in range(0, len(history), chunk):
+            tokens = mx.array([history[start : start + chunk]], dtype=mx.int32)
+            mx.eval(self.model.model.last_logits(tokens, cache))
+        self.stored = copy_cache(cache)
+
+    def forward_s(self, suffix: list[int]) -> float:
+        """Seconds of one forward of `suffix` over a fresh handle on the stored cache."""
+        import mlx.core as mx
+
+        from mlxserve.cache.snapshot import cache_arrays, share_cache
+
+        ready = share_cache(self.stored)
+        mx.eval(cache_arrays(ready))
         started = time.perf_counter()
-        mx.eval(model.model.last_logits(mx.array([suffix], dtype=mx.int32), ready))
-        timings.append(time.perf_counter() - started)
-    return sorted(timings)[1]
+        mx.eval(self.model.model.last_logits(mx.array([suffix], dtype=mx.int32), ready))
+        return time.perf_counter() - started

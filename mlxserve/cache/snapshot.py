@@ -370,6 +370,15 @@ def _unique_arrays(caches: Sequence[Any]) -> list[mx.array]:
     return list(seen.values())
 
 
+def cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
+    """Every array a per-layer cache list holds, each once: what a forward must
+    evaluate to have fed its tokens into the cache.
+
+    Raises UnsupportedCacheError for a cache class this module does not know.
+    """
+    return _unique_arrays(caches)
+
+
 def copy_cache(caches: Sequence[Any], wait: bool = True) -> list[Any]:
     """A deep copy of a per-layer cache list with buffers of its own, safe from later writes.
 

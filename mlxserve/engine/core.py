@@ -132,6 +132,15 @@ class EngineCore:
     # -- the engine thread --------------------------------------------------
     def _main(self) -> None:
         try:
+            self._serve()
+        finally:
+            # MLX wants each thread that ran its work to drop its streams before
+            # it ends; otherwise the process may abort at exit ("terminate
+            # called without an active exception").
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        try:
             self._load()
         except Exception as e:  # the load error is reported through /health
             logger.exception("model load failed")

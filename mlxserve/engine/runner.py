@@ -278,7 +278,7 @@ class Runner:
             if chunk.is_last:
                 output.sampled = self._sample(logits, [request])[0]
             else:
-                mx.eval(logits)
+                self._feed_only(logits, cache)
             result.prefill_chunks.append((chunk.num_tokens, time.perf_counter() - started))
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
@@ -290,6 +290,18 @@ class Runner:
             logger.exception("prefill failed for request %s", rid)
             self._forget([rid])
             result.outputs.append(RequestOutput(rid, error=_describe(e)))
+
+    def _feed_only(self, logits: mx.array, cache: list[Any]) -> None:
+        """Evaluate what a chunk wrote into the cache, not its logits: nothing samples
+        from a chunk that does not end the prompt, so the head (and the last layer's
+        feed-forward) never run."""
+        from mlxserve.cache.snapshot import UnsupportedCacheError, cache_arrays
+
+        try:
+            arrays = cache_arrays(cache)
+        except UnsupportedCacheError:
+            arrays = [logits]
+        mx.eval(arrays)
 
     def _snapshot_completed(
         self, completed: list[tuple[str, list[int]]], result: StepResult
