@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from mlxserve.config import EngineConfig
 from mlxserve.engine.pacing import ALONE_FACTOR, MIN_CHUNK_TOKENS, STEP_TIME_FACTOR, Pacer
-from mlxserve.engine.plan import StepResult
+from mlxserve.engine.plan import StepPlan, StepResult
+from mlxserve.engine.request import Request, RequestStatus, SamplingParams
+from mlxserve.engine.scheduler import Scheduler
 
 
 def _chunk(tokens: int, seconds: float) -> StepResult:
@@ -14,20 +17,20 @@ def _chunk(tokens: int, seconds: float) -> StepResult:
 
 def test_no_bound_until_measured() -> None:
     pacer = Pacer()
-    assert pacer.prefill_tokens(decoding=True) is None
+    assert pacer.prefill_tokens(decode_rows=1) is None
     pacer.observe(StepResult(decode_tokens=1, decode_s=0.01))
-    assert pacer.prefill_tokens(decoding=True) is None  # prefill speed not known yet
+    assert pacer.prefill_tokens(decode_rows=1) is None  # prefill speed not known yet
 
 
 def test_default_target_is_a_multiple_of_the_decode_step() -> None:
     pacer = Pacer()
     pacer.observe(StepResult(decode_tokens=4, decode_s=0.010))
     pacer.observe(_chunk(100, 0.100))  # one size seen: 1 ms a token
-    assert pacer.target_s == pytest.approx(STEP_TIME_FACTOR * 0.010)
+    assert pacer.target_s() == pytest.approx(STEP_TIME_FACTOR * 0.010)
     # The decode batch's time comes out of the step first.
     expected = (STEP_TIME_FACTOR - 1) * 0.010 / 0.001
-    assert pacer.prefill_tokens(decoding=True) == pytest.approx(expected, abs=1)
-    alone = pacer.prefill_tokens(decoding=False, alone=True)
+    assert pacer.prefill_tokens(decode_rows=1) == pytest.approx(expected, abs=1)
+    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
     assert alone == pytest.approx(ALONE_FACTOR * STEP_TIME_FACTOR * 0.010 / 0.001, abs=1)
 
 
@@ -36,25 +39,70 @@ def test_fixed_cost_is_fitted_apart_from_the_cost_per_token() -> None:
     for _ in range(10):  # 10 ms a forward + 0.5 ms a token
         for tokens in (8, 64, 256):
             pacer.observe(_chunk(tokens, 0.010 + 0.0005 * tokens))
-    assert pacer.prefill_tokens(decoding=False) == pytest.approx(40, abs=1)
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(40, abs=1)
 
 
 def test_explicit_target_and_the_floor() -> None:
     pacer = Pacer(max_step_ms=50.0)
     pacer.observe(_chunk(64, 0.064))
     pacer.observe(StepResult(decode_tokens=1, decode_s=0.01))
-    assert pacer.prefill_tokens(decoding=False) == pytest.approx(50, abs=1)
-    assert pacer.prefill_tokens(decoding=True) == pytest.approx(40, abs=1)
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(50, abs=1)
+    assert pacer.prefill_tokens(decode_rows=1) == pytest.approx(40, abs=1)
     slow = Pacer(max_step_ms=0.001)
     slow.observe(_chunk(64, 1.0))
-    assert slow.prefill_tokens(decoding=False) == MIN_CHUNK_TOKENS
+    assert slow.prefill_tokens(decode_rows=0) == MIN_CHUNK_TOKENS
 
 
 def test_estimates_follow_the_model() -> None:
     pacer = Pacer(max_step_ms=100.0)
     for _ in range(40):
         pacer.observe(_chunk(100, 0.2))  # 2 ms a token
-    assert pacer.prefill_tokens(decoding=False) == pytest.approx(50, abs=1)
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(50, abs=1)
     for _ in range(40):
         pacer.observe(_chunk(100, 0.4))  # a longer context: 4 ms a token
-    assert pacer.prefill_tokens(decoding=False) == pytest.approx(25, abs=1)
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(25, abs=1)
+
+
+def test_the_target_follows_the_size_of_the_decode_batch() -> None:
+    pacer = Pacer()
+    pacer.observe(_chunk(100, 0.100))
+    for _ in range(5):
+        pacer.observe(StepResult(decode_tokens=8, decode_s=0.080))
+        pacer.observe(StepResult(decode_tokens=1, decode_s=0.020))
+    assert pacer.target_s(8) == pytest.approx(STEP_TIME_FACTOR * 0.080)
+    assert pacer.target_s(6) == pytest.approx(STEP_TIME_FACTOR * 0.080)  # nearest measured
+    # Nobody decoding: a newcomer would decode alone, so the eight-row steps do not count.
+    assert pacer.target_s(0) == pytest.approx(STEP_TIME_FACTOR * 0.020)
+    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    assert alone == pytest.approx(ALONE_FACTOR * STEP_TIME_FACTOR * 20, abs=1)
+
+
+def _prefilling(request_id: str, prompt_tokens: int, computed: int) -> Request:
+    request = Request(request_id, list(range(prompt_tokens)), SamplingParams(), 0.0)
+    request.status = RequestStatus.PREFILLING
+    request.num_computed = computed
+    return request
+
+
+def _paced_scheduler(*requests: Request) -> Scheduler:
+    scheduler = Scheduler(EngineConfig(prefix_cache=False, max_step_ms=20.0), frozenset())
+    scheduler.pacer.observe(_chunk(100, 0.100))  # 1 ms a token: 40 tokens alone
+    scheduler.running.extend(requests)
+    return scheduler
+
+
+def test_the_tail_of_a_long_prompt_is_paced_even_when_it_fits_the_budget() -> None:
+    scheduler = _paced_scheduler(_prefilling("long", 4096, 4096 - 400))
+    plan = StepPlan()
+    scheduler._plan_prefills(plan)
+    [chunk] = plan.prefills
+    assert chunk.num_tokens == pytest.approx(ALONE_FACTOR * 20, abs=1)  # not all 400
+
+
+def test_a_short_prompt_alone_and_fresh_prompts_together_are_fed_whole() -> None:
+    plan = StepPlan()
+    _paced_scheduler(_prefilling("short", 30, 0))._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [30]
+    plan = StepPlan()
+    _paced_scheduler(_prefilling("a", 120, 0), _prefilling("b", 200, 0))._plan_prefills(plan)
+    assert sorted(c.num_tokens for c in plan.prefills) == [120, 200]

@@ -4,8 +4,10 @@ While other requests decode or wait, a step that feeds a long prompt's chunk
 holds back every stream's next token until it ends. The pacer learns this
 model's speed from the steps it has run and sizes the prefill so a step takes
 about the target time: `--max-step-ms`, or by default `STEP_TIME_FACTOR`
-times a decode step, so a streaming client's inter-token latency stays within
-a small multiple of its solo latency while a long prompt prefills beside it.
+times a decode step of the running batch (of the smallest batch measured when
+nobody decodes: what a request arriving now would see), so a streaming
+client's inter-token latency stays within a small multiple of its solo latency
+while a long prompt prefills beside it.
 
 A prefill forward costs a fixed part (weights read, per-layer overhead) plus
 a part per token (which grows with the context, through attention): the pacer
@@ -69,38 +71,49 @@ class Pacer:
     def __init__(self, max_step_ms: float | None = None) -> None:
         self.max_step_s = None if max_step_ms is None else max_step_ms / 1000.0
         self._prefill = _Fit()
-        self.decode_step_s: float | None = None
+        # Decode step seconds by batch size: a step of eight rows says little
+        # about what one stream waits for once the others have finished.
+        self._decode_s: dict[int, float] = {}
 
     def observe(self, result: StepResult) -> None:
         for tokens, seconds in result.prefill_chunks:
             if tokens > 0 and seconds > 0:
                 self._prefill.add(tokens, seconds)
-        if result.decode_tokens and result.decode_s > 0:
-            old = self.decode_step_s
+        rows = result.decode_tokens
+        if rows and result.decode_s > 0:
+            old = self._decode_s.get(rows)
             new = result.decode_s
-            self.decode_step_s = new if old is None else old + SMOOTHING * (new - old)
+            self._decode_s[rows] = new if old is None else old + SMOOTHING * (new - old)
 
-    @property
-    def target_s(self) -> float | None:
+    def decode_step_s(self, decode_rows: int) -> float | None:
+        """A decode step over `decode_rows` rows, from the nearest batch size measured
+        (0 rows: the smallest, what a request that arrives now would decode in)."""
+        if not self._decode_s:
+            return None
+        wanted = decode_rows if decode_rows > 0 else min(self._decode_s)
+        nearest = min(self._decode_s, key=lambda rows: (abs(rows - wanted), rows))
+        return self._decode_s[nearest]
+
+    def target_s(self, decode_rows: int = 0) -> float | None:
         """How long a step that others wait on may take (None: not measured yet)."""
         if self.max_step_s is not None:
             return self.max_step_s
-        if self.decode_step_s is None:
-            return None
-        return STEP_TIME_FACTOR * self.decode_step_s
+        step = self.decode_step_s(decode_rows)
+        return None if step is None else STEP_TIME_FACTOR * step
 
-    def prefill_budget_s(self, decoding: bool, alone: bool = False) -> float | None:
+    def prefill_budget_s(self, decode_rows: int, alone: bool = False) -> float | None:
         """Seconds of prefill forwards a step may run (None: no bound known yet).
 
-        `decoding`: the step also runs the decode batch, whose time comes first.
-        `alone`: no other request runs or waits (see the module doc).
+        `decode_rows`: the step also runs a decode batch of this many rows, whose
+        time comes first. `alone`: no other request runs or waits (see the module doc).
         """
-        target = self.target_s
+        target = self.target_s(decode_rows)
         if target is None or self._prefill.line() is None:
             return None
         if alone:
             target *= ALONE_FACTOR
-        return target - ((self.decode_step_s or 0.0) if decoding else 0.0)
+        decoding = (self.decode_step_s(decode_rows) or 0.0) if decode_rows else 0.0
+        return target - decoding
 
     def tokens_within(self, seconds: float) -> int:
         """The longest chunk whose forward fits in `seconds` (0 if none does)."""
@@ -116,9 +129,9 @@ class Pacer:
         fixed, per_token = line
         return fixed + per_token * tokens
 
-    def prefill_tokens(self, decoding: bool, alone: bool = False) -> int | None:
+    def prefill_tokens(self, decode_rows: int, alone: bool = False) -> int | None:
         """Tokens of one chunk a step may feed, at least MIN_CHUNK_TOKENS (None: no bound)."""
-        budget = self.prefill_budget_s(decoding, alone)
+        budget = self.prefill_budget_s(decode_rows, alone)
         if budget is None:
             return None
         return max(MIN_CHUNK_TOKENS, self.tokens_within(budget))

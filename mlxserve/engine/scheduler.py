@@ -161,9 +161,16 @@ class Scheduler:
         budget = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
         others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
         pacer = self.pacer
-        left = pacer.prefill_budget_s(bool(plan.decodes), alone=not others)
-        if not plan.decodes and sum(r.prefill_remaining for r in prefilling) <= budget:
-            left = None  # only whole prompts to feed and nobody decoding: all of them now
+        left = pacer.prefill_budget_s(len(plan.decodes), alone=not others)
+        whole = sum(r.prefill_remaining for r in prefilling)
+        if not plan.decodes and whole <= budget and left is not None:
+            # Nobody decoding and every prompt fits: feed them all now when that
+            # ends on time, or when they are fresh prompts that arrived together
+            # (one grouped forward). The tail of a long prompt stays paced: a
+            # request arriving now would wait for it.
+            together = len(prefilling) > 1 and all(r.num_computed == 0 for r in prefilling)
+            if together or pacer.cost_s(whole) <= left:
+                left = None
         for request in prefilling:
             allowed = budget
             if left is not None:
