@@ -275,11 +275,12 @@ class Runner:
             self._check(faults.FORWARD, [rid])
             logits = self.model.model.last_logits(tokens, cache)
             output = RequestOutput(rid, computed=chunk.end)
+            self._feed_only(logits, cache)
+            # The pacer learns what feeding costs; a prompt's last chunk also runs
+            # the head, which the others skip, so it is timed before the head.
+            result.prefill_chunks.append((chunk.num_tokens, time.perf_counter() - started))
             if chunk.is_last:
                 output.sampled = self._sample(logits, [request])[0]
-            else:
-                self._feed_only(logits, cache)
-            result.prefill_chunks.append((chunk.num_tokens, time.perf_counter() - started))
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
                 output.snapshot = self._snapshot(context[: chunk.end], cache, rid)
@@ -293,8 +294,7 @@ class Runner:
 
     def _feed_only(self, logits: mx.array, cache: list[Any]) -> None:
         """Evaluate what a chunk wrote into the cache, not its logits: nothing samples
-        from a chunk that does not end the prompt, so the head (and the last layer's
-        feed-forward) never run."""
+        from a chunk that does not end the prompt, so there the head never runs."""
         from mlxserve.cache.snapshot import UnsupportedCacheError, cache_arrays
 
         try:
