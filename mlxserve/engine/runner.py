@@ -13,6 +13,10 @@ left-padded), mlx-vlm's DeepSeek-V4 caches and DeepSeek-V4.1's layer caches
 (see `models/dsv4_batch.py`, `models/dsv41_cache.py`). Other cache types
 cannot be merged, so each such request decodes as its own batch of one.
 
+A decode step with no prefill beside it runs ahead: it starts the next
+step's forward over the tokens it is still drawing, so Python builds the next
+graph while this one computes (`DecodeBatch.ahead`).
+
 Snapshots for the prefix cache are scheduled with `mx.async_eval` after the
 step's tokens are sampled, so the copies overlap what follows.
 """
@@ -25,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    RotatingKVCache,
+    trim_prompt_cache,
+)
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
@@ -42,10 +52,13 @@ from mlxserve.engine.plan import (
 from mlxserve.engine.prefill_group import prefill_group
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import (
+    PendingSample,
     SampledRow,
     SamplerState,
     new_sampler_state,
+    pipelinable,
     record_token,
+    sample_lazy,
     sample_rows,
 )
 from mlxserve.models.loaded import LoadedModel
@@ -84,12 +97,20 @@ def _merge_layer(layer: Any) -> Any:
 
 @dataclass
 class DecodeBatch:
-    """Requests decoding together over one batched cache (row i = request_ids[i])."""
+    """Requests decoding together over one batched cache (row i = request_ids[i]).
+
+    `ahead`: the next step's tokens, already fed to the cache and being drawn
+    (see `Runner._decode_group`); rows leaving the batch leave it too.
+    """
 
     request_ids: list[str] = field(default_factory=list)
     cache: list[Any] = field(default_factory=list)
+    ahead: PendingSample | None = None
 
     def add(self, request_id: str, cache: list[Any]) -> None:
+        if self.ahead is not None:
+            # The batch's cache is a step ahead of the newcomer's: it cannot line up.
+            raise RuntimeError("a request cannot join while the next decode step is in flight")
         merged = [_merge_layer(layer) for layer in cache]
         if not self.request_ids:
             self.cache = merged
@@ -98,6 +119,13 @@ class DecodeBatch:
                 mine.extend(theirs)
         self.request_ids.append(request_id)
 
+    def take_ahead(self, request_ids: list[str]) -> PendingSample | None:
+        """The step already in flight, if any, for exactly these rows."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and request_ids != self.request_ids:
+            raise RuntimeError("decode batch out of step with the step in flight")
+        return ahead
+
     def remove(self, request_ids: set[str]) -> None:
         keep = [i for i, rid in enumerate(self.request_ids) if rid not in request_ids]
         if len(keep) == len(self.request_ids):
@@ -105,15 +133,22 @@ class DecodeBatch:
         self.request_ids = [self.request_ids[i] for i in keep]
         if not keep:
             self.cache = []
+            self.ahead = None
             return
+        if self.ahead is not None:
+            self.ahead = self.ahead.rows(keep)
         for layer in self.cache:
             layer.filter(keep)
 
 
 class Runner:
-    def __init__(self, model: LoadedModel, fault: FaultHook | None = None) -> None:
+    def __init__(
+        self, model: LoadedModel, fault: FaultHook | None = None, decode_ahead: bool = True
+    ) -> None:
         self.model = model
         self.fault = fault
+        # Start the next decode step before reading this one's tokens, where allowed.
+        self.decode_ahead = decode_ahead
         probe = model.make_cache()
         # batchable: running requests decode as one batch over merged caches.
         self.batchable = bool(probe) and all(_mergeable(layer) for layer in probe)
@@ -225,7 +260,7 @@ class Runner:
         if result.unreleased:
             return result  # the decode batch may be inconsistent: the engine recovers first
         if plan.decodes:
-            self._decode(plan.decodes, plan.finish_rule, result)
+            self._decode(plan.decodes, plan.finish_rule, result, self._can_run_ahead(plan))
         solo = plan.prefills
         if self.group_prefill:
             solo = prefill_group(self, plan.prefills, result)
@@ -328,6 +363,9 @@ class Runner:
         try:
             row = self.batch.request_ids.index(request_id)
             extracted = [layer.extract(row) for layer in self.batch.cache]
+            excess = extracted[0].offset - len(key_ids)
+            if excess > 0:  # a step that ran ahead fed tokens past the key
+                trim_prompt_cache(extracted, excess)
             return self._snapshot(key_ids, extracted, request_id)
         except Exception:  # the request is finishing; only its prefix-cache entry is lost
             logger.exception("snapshot of finished request %s failed", request_id)
@@ -357,13 +395,30 @@ class Runner:
             return None
 
     # -- decode -------------------------------------------------------------
+    def _can_run_ahead(self, plan: StepPlan) -> bool:
+        """Whether this step may also start the next decode step before its tokens are read.
+
+        Only when the next step's rows are known now: no prefill in this step
+        (its requests would join next step) and every row samples without the
+        host knowing its tokens. A row that finishes leaves the batch with its
+        token drawn ahead unread; its `prompt + output` snapshot is trimmed
+        back to what it has output.
+        """
+        if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
+            return False
+        return all(pipelinable(r.params, self.samplers[r.request_id]) for r in plan.decodes)
+
     def _decode(
-        self, requests: list[Request], finish: FinishRule | None, result: StepResult
+        self,
+        requests: list[Request],
+        finish: FinishRule | None,
+        result: StepResult,
+        ahead: bool = False,
     ) -> None:
         if self.batchable:
             by_id = {r.request_id: r for r in requests}
             ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
-            self._decode_group(ordered, self.batch.cache, finish, result)
+            self._decode_group(ordered, self.batch.cache, finish, result, ahead)
         else:
             for request in requests:
                 cache = self.caches[request.request_id]
@@ -375,15 +430,30 @@ class Runner:
         cache: list[Any],
         finish: FinishRule | None,
         result: StepResult,
+        ahead: bool = False,
     ) -> None:
+        """One decode step over `cache`; with `ahead`, the next one starts before this
+        one's tokens are read, so building its graph overlaps this step's compute
+        (the way mlx-lm's and mlx-vlm's own loops decode)."""
         try:
+            request_ids = [r.request_id for r in requests]
             if self.batchable and len(requests) != len(self.batch.request_ids):
                 raise RuntimeError("decode batch out of step with the scheduler")
-            inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
             started = time.perf_counter()
-            self._check(faults.FORWARD, [r.request_id for r in requests])
-            logits = self.model.model.last_logits(inputs, cache)
-            rows = self._sample(logits, requests)
+            self._check(faults.FORWARD, request_ids)
+            pending = self.batch.take_ahead(request_ids) if self.batchable else None
+            if pending is None:
+                inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
+                logits = self.model.model.last_logits(inputs, cache)
+                if ahead:
+                    pending = self._draw(logits, requests)
+                    pending.start()
+            if pending is None:
+                rows = self._sample(logits, requests)
+            else:
+                if ahead:
+                    self.batch.ahead = self._step_ahead(pending, requests, cache)
+                rows = self._take(pending, requests)
             result.decode_s += time.perf_counter() - started
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
@@ -407,6 +477,26 @@ class Runner:
             self.release(request_ids)
         finally:
             mx.clear_cache()
+
+    def _draw(self, logits: mx.array, requests: list[Request]) -> PendingSample:
+        states = [self.samplers[r.request_id] for r in requests]
+        return sample_lazy(logits, [r.params for r in requests], states)
+
+    def _step_ahead(
+        self, pending: PendingSample, requests: list[Request], cache: list[Any]
+    ) -> PendingSample:
+        """Feed the tokens being drawn as the next step's inputs and start that step."""
+        inputs = pending.tokens.astype(mx.int32)[:, None]
+        following = self._draw(self.model.model.last_logits(inputs, cache), requests)
+        following.start()
+        return following
+
+    def _take(self, pending: PendingSample, requests: list[Request]) -> list[SampledRow]:
+        self._check(faults.SAMPLE, [r.request_id for r in requests])
+        rows = pending.take()
+        for request, row in zip(requests, rows, strict=True):
+            record_token(self.samplers[request.request_id], request.params, row.token)
+        return rows
 
     def _sample(
         self, logits: mx.array, requests: list[Request], check: bool = True

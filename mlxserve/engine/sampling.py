@@ -119,18 +119,53 @@ def _plain_greedy(params: SamplingParams) -> bool:
     )
 
 
-def sample_rows(
+def pipelinable(params: SamplingParams, state: SamplerState) -> bool:
+    """Whether this row's next token can be drawn before its current one is read:
+    nothing it samples with depends on the host knowing the tokens so far."""
+    return not state.constrained and not params.needs_history
+
+
+@dataclass
+class PendingSample:
+    """One token per row, drawn lazily: `start()` schedules it, `take()` reads it."""
+
+    tokens: mx.array
+    logprob_rows: list[mx.array | None]
+    params: list[SamplingParams]
+
+    def start(self) -> None:
+        mx.async_eval(self.tokens, *[r for r in self.logprob_rows if r is not None])
+
+    def rows(self, keep: list[int]) -> PendingSample:
+        """The same draw for the rows at `keep` only."""
+        return PendingSample(
+            self.tokens[mx.array(keep, dtype=mx.int32)],
+            [self.logprob_rows[i] for i in keep],
+            [self.params[i] for i in keep],
+        )
+
+    def take(self) -> list[SampledRow]:
+        mx.eval(self.tokens, *[r for r in self.logprob_rows if r is not None])
+        return [
+            _with_logprobs(token_id, params, row_logprobs)
+            for token_id, params, row_logprobs in zip(
+                int_list(self.tokens), self.params, self.logprob_rows, strict=True
+            )
+        ]
+
+
+def sample_lazy(
     logits: mx.array, params_list: list[SamplingParams], states: list[SamplerState]
-) -> list[SampledRow]:
-    """Pick one token per row of (B, V) logits; one mx.eval for the whole batch."""
+) -> PendingSample:
+    """The graph that picks one token per row of (B, V) logits, not yet evaluated.
+
+    A row's random key is split here, so a row draws the same tokens whenever
+    its draw is evaluated.
+    """
     if all(
         _plain_greedy(p) and not s.constrained for p, s in zip(params_list, states, strict=True)
     ):
-        tokens = int_list(mx.argmax(logits, axis=-1))
-        return [SampledRow(t, None, None) for t in tokens]
-    if any(s.constrained for s in states):
-        # The forward runs while the grammar masks are finished on their worker.
-        mx.async_eval(logits)
+        return PendingSample(mx.argmax(logits, axis=-1), [None] * len(params_list), params_list)
     picked: list[mx.array] = []
     logprob_rows: list[mx.array | None] = []
     for index, (params, state) in enumerate(zip(params_list, states, strict=True)):
@@ -139,14 +174,17 @@ def sample_rows(
         token = mx.argmax(logprobs, axis=-1) if params.greedy else _draw(logprobs, params, state)
         picked.append(token.reshape(1))
         logprob_rows.append(logprobs[0] if params.logprobs else None)
-    tokens_array = mx.concatenate(picked)
-    mx.eval(tokens_array, *[r for r in logprob_rows if r is not None])
-    return [
-        _with_logprobs(token_id, params, row_logprobs)
-        for token_id, params, row_logprobs in zip(
-            int_list(tokens_array), params_list, logprob_rows, strict=True
-        )
-    ]
+    return PendingSample(mx.concatenate(picked), logprob_rows, params_list)
+
+
+def sample_rows(
+    logits: mx.array, params_list: list[SamplingParams], states: list[SamplerState]
+) -> list[SampledRow]:
+    """Pick one token per row of (B, V) logits; one mx.eval for the whole batch."""
+    if any(s.constrained for s in states):
+        # The forward runs while the grammar masks are finished on their worker.
+        mx.async_eval(logits)
+    return sample_lazy(logits, params_list, states).take()
 
 
 def _with_logprobs(token: int, params: SamplingParams, logprobs: mx.array | None) -> SampledRow:
