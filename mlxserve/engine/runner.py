@@ -493,7 +493,9 @@ class Runner:
 
     def _take(self, pending: PendingSample, requests: list[Request]) -> list[SampledRow]:
         self._check(faults.SAMPLE, [r.request_id for r in requests])
-        rows = pending.take()
+        return self._record(requests, pending.take())
+
+    def _record(self, requests: list[Request], rows: list[SampledRow]) -> list[SampledRow]:
         for request, row in zip(requests, rows, strict=True):
             record_token(self.samplers[request.request_id], request.params, row.token)
         return rows
@@ -505,7 +507,4 @@ class Runner:
             self._check(faults.SAMPLE, [r.request_id for r in requests])
         states = [self.samplers[r.request_id] for r in requests]
         params = [r.params for r in requests]
-        rows = sample_rows(logits, params, states)
-        for request, state, row in zip(requests, states, rows, strict=True):
-            record_token(state, request.params, row.token)
-        return rows
+        return self._record(requests, sample_rows(logits, params, states))

@@ -133,8 +133,11 @@ class PendingSample:
     logprob_rows: list[mx.array | None]
     params: list[SamplingParams]
 
+    def _arrays(self) -> list[mx.array]:
+        return [self.tokens, *[r for r in self.logprob_rows if r is not None]]
+
     def start(self) -> None:
-        mx.async_eval(self.tokens, *[r for r in self.logprob_rows if r is not None])
+        mx.async_eval(self._arrays())
 
     def rows(self, keep: list[int]) -> PendingSample:
         """The same draw for the rows at `keep` only."""
@@ -145,7 +148,7 @@ class PendingSample:
         )
 
     def take(self) -> list[SampledRow]:
-        mx.eval(self.tokens, *[r for r in self.logprob_rows if r is not None])
+        mx.eval(self._arrays())
         return [
             _with_logprobs(token_id, params, row_logprobs)
             for token_id, params, row_logprobs in zip(
