@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.pacing import ALONE_FACTOR, MIN_CHUNK_TOKENS, STEP_TIME_FACTOR, Pacer
+from mlxserve.engine.pacing import (
+    ALONE_MAX_FIXED_SHARE,
+    FRESH_PROMPT_FACTOR,
+    MIN_CHUNK_TOKENS,
+    STEP_TIME_FACTOR,
+    Pacer,
+)
 from mlxserve.engine.plan import StepPlan, StepResult
 from mlxserve.engine.request import Request, RequestStatus, SamplingParams
 from mlxserve.engine.scheduler import Scheduler
@@ -31,7 +37,8 @@ def test_default_target_is_a_multiple_of_the_decode_step() -> None:
     expected = (STEP_TIME_FACTOR - 1) * 0.010 / 0.001
     assert pacer.prefill_tokens(decode_rows=1) == pytest.approx(expected, abs=1)
     alone = pacer.prefill_tokens(decode_rows=0, alone=True)
-    assert alone == pytest.approx(ALONE_FACTOR * STEP_TIME_FACTOR * 0.010 / 0.001, abs=1)
+    # No fixed cost measured yet: a prompt prefilling alone is paced to the same target.
+    assert alone == pytest.approx(STEP_TIME_FACTOR * 0.010 / 0.001, abs=1)
 
 
 def test_fixed_cost_is_fitted_apart_from_the_cost_per_token() -> None:
@@ -40,6 +47,19 @@ def test_fixed_cost_is_fitted_apart_from_the_cost_per_token() -> None:
         for tokens in (8, 64, 256):
             pacer.observe(_chunk(tokens, 0.010 + 0.0005 * tokens))
     assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(40, abs=1)
+
+
+def test_alone_a_large_fixed_cost_lengthens_the_chunk() -> None:
+    pacer = Pacer()
+    pacer.observe(StepResult(decode_tokens=1, decode_s=0.010))  # target: 20 ms
+    for _ in range(10):  # 10 ms a forward + 0.5 ms a token
+        for tokens in (8, 64, 256):
+            pacer.observe(_chunk(tokens, 0.010 + 0.0005 * tokens))
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(20, abs=1)
+    # Alone, the fixed 10 ms may take only a share of the chunk's time.
+    alone_s = 0.010 / ALONE_MAX_FIXED_SHARE
+    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    assert alone == pytest.approx((alone_s - 0.010) / 0.0005, abs=1)
 
 
 def test_explicit_target_and_the_floor() -> None:
@@ -74,7 +94,7 @@ def test_the_target_follows_the_size_of_the_decode_batch() -> None:
     # Nobody decoding: a newcomer would decode alone, so the eight-row steps do not count.
     assert pacer.target_s(0) == pytest.approx(STEP_TIME_FACTOR * 0.020)
     alone = pacer.prefill_tokens(decode_rows=0, alone=True)
-    assert alone == pytest.approx(ALONE_FACTOR * STEP_TIME_FACTOR * 20, abs=1)
+    assert alone == pytest.approx(STEP_TIME_FACTOR * 20, abs=1)
 
 
 def _prefilling(request_id: str, prompt_tokens: int, computed: int) -> Request:
@@ -96,13 +116,31 @@ def test_the_tail_of_a_long_prompt_is_paced_even_when_it_fits_the_budget() -> No
     plan = StepPlan()
     scheduler._plan_prefills(plan)
     [chunk] = plan.prefills
-    assert chunk.num_tokens == pytest.approx(ALONE_FACTOR * 20, abs=1)  # not all 400
+    assert chunk.num_tokens == pytest.approx(20, abs=1)  # not all 400
 
 
 def test_a_short_prompt_alone_and_fresh_prompts_together_are_fed_whole() -> None:
+    # The target is 20 ms at 1 ms a token; a fresh prompt may take FRESH_PROMPT_FACTOR targets.
+    fresh_limit = int(FRESH_PROMPT_FACTOR * 20)
     plan = StepPlan()
-    _paced_scheduler(_prefilling("short", 30, 0))._plan_prefills(plan)
-    assert [c.num_tokens for c in plan.prefills] == [30]
+    _paced_scheduler(_prefilling("short", fresh_limit - 10, 0))._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [fresh_limit - 10]
+    plan = StepPlan()
+    _paced_scheduler(_prefilling("longer", fresh_limit + 10, 0))._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [20]
     plan = StepPlan()
     _paced_scheduler(_prefilling("a", 120, 0), _prefilling("b", 200, 0))._plan_prefills(plan)
     assert sorted(c.num_tokens for c in plan.prefills) == [120, 200]
+
+
+def test_a_prompt_that_ends_in_a_step_is_not_held_back_by_another_prompts_chunk() -> None:
+    short, long = _prefilling("short", 10, 0), _prefilling("long", 4096, 1000)
+    plan = StepPlan()
+    _paced_scheduler(short, long)._plan_prefills(plan)
+    # The short prompt's first token leaves when the step ends: no chunk of the long one joins.
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("short", 10)]
+    other = _prefilling("other", 8, 0)
+    plan = StepPlan()
+    _paced_scheduler(short, other, long)._plan_prefills(plan)
+    # Another prompt that also ends within the time left still joins.
+    assert sorted(c.request.request_id for c in plan.prefills) == ["other", "short"]

@@ -15,9 +15,13 @@ fits `seconds = fixed + per_token * tokens` to recent chunk forwards
 (exponentially weighted least squares), so small chunks are sized as well as
 large ones.
 
-A prompt that prefills alone gets `ALONE_FACTOR` times the target: nobody
-waits on its step yet, but a request that arrives now waits for the step in
-flight before it can join the next one, so that step must stay short too.
+A prompt that prefills alone is paced to the same target: nobody waits on
+its step yet, but a request that arrives now waits for the step in flight
+before it can join the next one (about half a chunk, on average), so that step
+must stay short too. Only where the fixed part of a forward is large (a big
+model's weights read on every chunk) are its chunks made longer, so that the
+fixed part stays within `ALONE_MAX_FIXED_SHARE` of each: a prompt prefilling
+alone keeps most of its throughput.
 """
 
 from __future__ import annotations
@@ -29,8 +33,13 @@ from mlxserve.engine.plan import StepResult
 # Default step target, in decode steps: a decoding stream gets about half of
 # each step while a long prompt prefills beside it.
 STEP_TIME_FACTOR = 2.0
-# A prompt prefilling with nothing else running: this many step targets a chunk.
-ALONE_FACTOR = 2.0
+# A prompt prefilling with nothing else running: the most of a chunk's time
+# its fixed cost may take.
+ALONE_MAX_FIXED_SHARE = 0.25
+# Fresh prompts, with nobody decoding, are fed whole when they take at most
+# this many step targets: cutting one that short adds a forward's fixed cost
+# to its own first token, for a newcomer's wait that stays small anyway.
+FRESH_PROMPT_FACTOR = 2.0
 # The weight of the newest measurement in the moving averages.
 SMOOTHING = 0.2
 # A chunk is never cut below this, so a long prompt always progresses.
@@ -108,10 +117,11 @@ class Pacer:
         time comes first. `alone`: no other request runs or waits (see the module doc).
         """
         target = self.target_s(decode_rows)
-        if target is None or self._prefill.line() is None:
+        line = self._prefill.line()
+        if target is None or line is None:
             return None
         if alone:
-            target *= ALONE_FACTOR
+            target = max(target, line[0] / ALONE_MAX_FIXED_SHARE)
         decoding = (self.decode_step_s(decode_rows) or 0.0) if decode_rows else 0.0
         return target - decoding
 

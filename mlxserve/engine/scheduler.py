@@ -17,7 +17,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget
-from mlxserve.engine.pacing import MIN_CHUNK_TOKENS, Pacer
+from mlxserve.engine.pacing import FRESH_PROMPT_FACTOR, MIN_CHUNK_TOKENS, Pacer
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -165,13 +165,21 @@ class Scheduler:
         whole = sum(r.prefill_remaining for r in prefilling)
         if not plan.decodes and whole <= budget and left is not None:
             # Nobody decoding and every prompt fits: feed them all now when that
-            # ends on time, or when they are fresh prompts that arrived together
-            # (one grouped forward). The tail of a long prompt stays paced: a
-            # request arriving now would wait for it.
-            together = len(prefilling) > 1 and all(r.num_computed == 0 for r in prefilling)
-            if together or pacer.cost_s(whole) <= left:
+            # ends on time (fresh prompts get a little longer), or when they are
+            # fresh prompts that arrived together (one grouped forward). The tail
+            # of a long prompt stays paced: a request arriving now would wait for it.
+            fresh = all(r.num_computed == 0 for r in prefilling)
+            together = len(prefilling) > 1 and fresh
+            on_time = left * FRESH_PROMPT_FACTOR if fresh else left
+            if together or pacer.cost_s(whole) <= on_time:
                 left = None
         for request in prefilling:
+            if plan.prefills and plan.prefills[-1].is_last and left is not None:
+                # A prompt that ends in this step sends its first token only when the
+                # step ends: a chunk that does not also end a prompt waits a step.
+                remaining = request.prefill_remaining
+                if remaining > budget or pacer.cost_s(remaining) > left:
+                    break
             allowed = budget
             if left is not None:
                 fits = pacer.tokens_within(left)
