@@ -62,6 +62,30 @@ def test_alone_a_large_fixed_cost_lengthens_the_chunk() -> None:
     assert alone == pytest.approx((alone_s - 0.010) / 0.0005, abs=1)
 
 
+def test_one_slow_small_chunk_does_not_make_the_next_chunk_run_long() -> None:
+    # Seen on a tiny DeepSeek-V4: steady ~95-token chunks, then one 4-token chunk that ran
+    # slow. Fitted on its own, that point tilts the line to a large fixed cost and a tiny
+    # cost per token, and the next chunk alone was planned at 512 tokens (226 ms).
+    def true_cost_s(tokens: int) -> float:
+        return 0.0025 + 0.0002 * tokens
+
+    pacer = Pacer()
+    for _ in range(10):
+        pacer.observe(StepResult(decode_tokens=1, decode_s=0.0097))
+        pacer.observe(_chunk(95, true_cost_s(95)))
+    before = pacer.prefill_tokens(decode_rows=0, alone=True)
+    pacer.observe(_chunk(4, 0.0116))
+    target = pacer.target_s()
+    assert target is not None and before is not None
+    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    assert alone is not None
+    assert true_cost_s(alone) <= 2 * target
+    assert alone <= 1.25 * before
+    paced = pacer.prefill_tokens(decode_rows=1)
+    assert paced is not None
+    assert true_cost_s(paced) <= target
+
+
 def test_explicit_target_and_the_floor() -> None:
     pacer = Pacer(max_step_ms=50.0)
     pacer.observe(_chunk(64, 0.064))
@@ -81,6 +105,15 @@ def test_estimates_follow_the_model() -> None:
     for _ in range(40):
         pacer.observe(_chunk(100, 0.4))  # a longer context: 4 ms a token
     assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(25, abs=1)
+
+
+def test_a_lasting_slowdown_is_still_learned() -> None:
+    pacer = Pacer(max_step_ms=100.0)
+    for _ in range(40):
+        pacer.observe(_chunk(100, 0.1))  # 1 ms a token
+    for _ in range(40):
+        pacer.observe(_chunk(100, 0.5))  # five times slower from now on
+    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(20, abs=1)
 
 
 def test_the_target_follows_the_size_of_the_decode_batch() -> None:

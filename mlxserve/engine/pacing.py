@@ -13,7 +13,14 @@ A prefill forward costs a fixed part (weights read, per-layer overhead) plus
 a part per token (which grows with the context, through attention): the pacer
 fits `seconds = fixed + per_token * tokens` to recent chunk forwards
 (exponentially weighted least squares), so small chunks are sized as well as
-large ones.
+large ones. Chunk sizes vary little, so one odd measurement (a small chunk
+that happened to run slow) can tilt that line, and far from its samples a
+tilted line promises a chunk many times too long: above the mean chunk size
+the fit has seen, a chunk is costed at the mean rate instead (seconds per
+token of the chunks seen, never below the line there), so chunks grow only
+as fast as the measurements follow them. A chunk that ran far slower than
+expected is learned as only `MAX_SLOWDOWN` times slower, so a slowdown is
+learned over a few chunks and a lone stall does not swing the fit.
 
 A prompt that prefills alone is paced to the same target: nobody waits on
 its step yet, but a request that arrives now waits for the step in flight
@@ -42,6 +49,10 @@ ALONE_MAX_FIXED_SHARE = 0.25
 FRESH_PROMPT_FACTOR = 2.0
 # The weight of the newest measurement in the moving averages.
 SMOOTHING = 0.2
+# A chunk that ran more than this many times slower than expected is learned
+# as only this slow: one stall (a cache growing, a busy core) says little of
+# the next chunk, and a small chunk's stall would tilt the fitted line.
+MAX_SLOWDOWN = 2.0
 # A chunk is never cut below this, so a long prompt always progresses.
 MIN_CHUNK_TOKENS = 4
 
@@ -73,6 +84,10 @@ class _Fit:
                 return fixed, slope
         return 0.0, self.t / self.n  # one chunk size seen so far: all per token
 
+    def mean_rate(self) -> float:
+        """Seconds per token of the chunks seen (the line's slope through the origin)."""
+        return self.t / self.n
+
 
 class Pacer:
     """Moving estimates of this model's step costs, and the prefill tokens a step can afford."""
@@ -87,6 +102,8 @@ class Pacer:
     def observe(self, result: StepResult) -> None:
         for tokens, seconds in result.prefill_chunks:
             if tokens > 0 and seconds > 0:
+                if self._prefill.line() is not None:
+                    seconds = min(seconds, MAX_SLOWDOWN * self.cost_s(tokens))
                 self._prefill.add(tokens, seconds)
         rows = result.decode_tokens
         if rows and result.decode_s > 0:
@@ -130,14 +147,15 @@ class Pacer:
         line = self._prefill.line()
         assert line is not None
         fixed, per_token = line
-        return max(0, math.floor((seconds - fixed) / per_token))
+        along_line = math.floor((seconds - fixed) / per_token)
+        return max(0, min(along_line, math.floor(seconds / self._prefill.mean_rate())))
 
     def cost_s(self, tokens: int) -> float:
         """The expected seconds of one chunk forward of `tokens` tokens."""
         line = self._prefill.line()
         assert line is not None
         fixed, per_token = line
-        return fixed + per_token * tokens
+        return max(fixed + per_token * tokens, self._prefill.mean_rate() * tokens)
 
     def prefill_tokens(self, decode_rows: int, alone: bool = False) -> int | None:
         """Tokens of one chunk a step may feed, at least MIN_CHUNK_TOKENS (None: no bound)."""
