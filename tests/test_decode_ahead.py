@@ -42,6 +42,8 @@ class Driven:
     logprobs: dict[str, list[float | None]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     ahead_steps: int = 0
+    # Steps that decoded some rows and fed prompt chunks of others.
+    mixed_steps: int = 0
 
 
 def drive(
@@ -68,7 +70,9 @@ def drive(
             scheduler.running or scheduler.waiting or scheduler.has_released
         ):
             break
-        scheduler.update(runner.run(scheduler.schedule()))
+        plan = scheduler.schedule()
+        out.mixed_steps += bool(plan.decodes and plan.prefills)
+        scheduler.update(runner.run(plan))
         out.ahead_steps += runner.batch.ahead is not None
         for event in scheduler.take_events():
             if event.token_id is not None:
@@ -89,6 +93,8 @@ def _mixed_jobs() -> dict[str, Job]:
         "late": Job(_ids(4, 9), SamplingParams(max_tokens=5), arrives=4),
         "aborted": Job(_ids(5, 6), SamplingParams(max_tokens=20), aborted_at=6),
         "stopped": Job(_ids(11, 8), SamplingParams(max_tokens=20), stopped_at=7),
+        # Prefills in several chunks while the others decode.
+        "long": Job(_ids(12, 150), SamplingParams(max_tokens=4), arrives=2),
     }
 
 
@@ -99,10 +105,11 @@ def test_decoding_ahead_draws_what_a_plain_step_draws(family: str, model_dir_fac
     plain = drive(model, jobs, decode_ahead=False)
     ahead = drive(model, jobs, decode_ahead=True)
     assert plain.ahead_steps == 0 and ahead.ahead_steps > 0
+    assert ahead.mixed_steps >= 2
     assert ahead.tokens == plain.tokens
     assert ahead.logprobs == plain.logprobs
     assert not ahead.errors and not plain.errors
-    for rid in ("greedy", "late"):
+    for rid in ("greedy", "late", "long"):
         job = jobs[rid]
         assert ahead.tokens[rid] == greedy_generate(model, job.prompt, job.params.max_tokens)
     assert 0 < len(ahead.tokens["aborted"]) < 20
@@ -164,3 +171,28 @@ def test_a_step_that_fails_after_running_ahead_fails_its_rows_only(model_dir_fac
     assert "injected sampling failure" in out.errors["doomed"]
     assert out.ahead_steps > 0
     assert out.tokens["after"] == greedy_generate(model, jobs["after"].prompt, 6)
+
+
+def test_a_decode_read_after_a_chunks_graph_fails_only_the_decoding_rows(
+    model_dir_factory,
+) -> None:
+    """In a step that also feeds a prompt chunk, the decode rows' tokens are read once
+    the chunk's graph is built; a sampling failure there fails the decoding rows, and
+    the prompt being fed goes on to draw what it draws alone."""
+    model = load(model_dir_factory("deepseek_v4"))
+    calls: list[tuple[str, list[str]]] = []
+
+    def fault(phase: str, request_ids: list[str]) -> None:
+        after_chunk = bool(calls) and calls[-1] == (faults.FORWARD, ["long"])
+        calls.append((phase, list(request_ids)))
+        if phase == faults.SAMPLE and request_ids == ["doomed"] and after_chunk:
+            raise RuntimeError("injected sampling failure")
+
+    jobs = {
+        "doomed": Job(_ids(7, 6), SamplingParams(max_tokens=30)),
+        "long": Job(_ids(12, 150), SamplingParams(max_tokens=6), arrives=2),
+    }
+    out = drive(model, jobs, decode_ahead=True, fault=fault)
+    assert set(out.errors) == {"doomed"}
+    assert "injected sampling failure" in out.errors["doomed"]
+    assert out.tokens["long"] == greedy_generate(model, jobs["long"].prompt, 6)

@@ -15,7 +15,10 @@ cannot be merged, so each such request decodes as its own batch of one.
 
 A decode step with no prefill beside it runs ahead: it starts the next
 step's forward over the tokens it is still drawing, so Python builds the next
-graph while this one computes (`DecodeBatch.ahead`).
+graph while this one computes (`DecodeBatch.ahead`). A decode step with
+prefill chunks beside it is started before the first chunk's graph is built
+and its tokens are read only then, so building that graph overlaps the
+decode forward.
 
 Snapshots for the prefix cache are scheduled with `mx.async_eval` after the
 step's tokens are sampled, so the copies overlap what follows.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,6 +143,18 @@ class DecodeBatch:
             self.ahead = self.ahead.rows(keep)
         for layer in self.cache:
             layer.filter(keep)
+
+
+class _Once:
+    """Call `work` the first time this is called, and never again."""
+
+    def __init__(self, work: Callable[[], None] | None) -> None:
+        self._work = work
+
+    def __call__(self) -> None:
+        work, self._work = self._work, None
+        if work is not None:
+            work()
 
 
 class Runner:
@@ -259,13 +275,25 @@ class Runner:
         self.preempt(plan.preempted)
         if result.unreleased:
             return result  # the decode batch may be inconsistent: the engine recovers first
+        # Reads the decode rows' tokens, if their forward is still running.
+        settle = _Once(None)
         if plan.decodes:
-            self._decode(plan.decodes, plan.finish_rule, result, self._can_run_ahead(plan))
+            settle = _Once(
+                self._decode(
+                    plan.decodes,
+                    plan.finish_rule,
+                    result,
+                    ahead=self._can_run_ahead(plan),
+                    overlap=self._can_overlap(plan),
+                )
+            )
         solo = plan.prefills
-        if self.group_prefill:
+        if self.group_prefill and len(solo) > 1:
+            settle()
             solo = prefill_group(self, plan.prefills, result)
         for chunk in solo:
-            self._prefill(chunk, result)
+            self._prefill(chunk, result, settle)
+        settle()
         return result
 
     def _join(self, released: set[str], result: StepResult) -> None:
@@ -295,7 +323,10 @@ class Runner:
             result.release_error = _describe(e)
 
     # -- prefill ------------------------------------------------------------
-    def _prefill(self, chunk: PrefillChunk, result: StepResult) -> None:
+    def _prefill(
+        self, chunk: PrefillChunk, result: StepResult, before_eval: Callable[[], None]
+    ) -> None:
+        """Feed one chunk; `before_eval` runs once its graph is built (it must not raise)."""
         request = chunk.request
         rid = request.request_id
         try:
@@ -310,10 +341,14 @@ class Runner:
             self._check(faults.FORWARD, [rid])
             logits = self.model.model.last_logits(tokens, cache)
             output = RequestOutput(rid, computed=chunk.end)
+            waited = time.perf_counter()
+            before_eval()
+            waited = time.perf_counter() - waited
             self._feed_only(logits, cache)
             # The pacer learns what feeding costs; a prompt's last chunk also runs
             # the head, which the others skip, so it is timed before the head.
-            result.prefill_chunks.append((chunk.num_tokens, time.perf_counter() - started))
+            elapsed = time.perf_counter() - started - waited
+            result.prefill_chunks.append((chunk.num_tokens, elapsed))
             if chunk.is_last:
                 output.sampled = self._sample(logits, [request])[0]
             result.prefill_tokens += chunk.num_tokens
@@ -406,7 +441,16 @@ class Runner:
         """
         if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
             return False
-        return all(pipelinable(r.params, self.samplers[r.request_id]) for r in plan.decodes)
+        return self._pipelinable(plan.decodes)
+
+    def _can_overlap(self, plan: StepPlan) -> bool:
+        """Whether this step's decode tokens may be read after a chunk's graph is built."""
+        if not (self.decode_ahead and self.batchable and plan.prefills):
+            return False
+        return self._pipelinable(plan.decodes)
+
+    def _pipelinable(self, requests: list[Request]) -> bool:
+        return all(pipelinable(r.params, self.samplers[r.request_id]) for r in requests)
 
     def _decode(
         self,
@@ -414,15 +458,17 @@ class Runner:
         finish: FinishRule | None,
         result: StepResult,
         ahead: bool = False,
-    ) -> None:
+        overlap: bool = False,
+    ) -> Callable[[], None] | None:
+        """Decode every running row; with `overlap`, may return what reads their tokens."""
         if self.batchable:
             by_id = {r.request_id: r for r in requests}
             ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
-            self._decode_group(ordered, self.batch.cache, finish, result, ahead)
-        else:
-            for request in requests:
-                cache = self.caches[request.request_id]
-                self._decode_group([request], cache, finish, result)
+            return self._decode_group(ordered, self.batch.cache, finish, result, ahead, overlap)
+        for request in requests:
+            cache = self.caches[request.request_id]
+            self._decode_group([request], cache, finish, result)
+        return None
 
     def _decode_group(
         self,
@@ -431,10 +477,13 @@ class Runner:
         finish: FinishRule | None,
         result: StepResult,
         ahead: bool = False,
-    ) -> None:
+        overlap: bool = False,
+    ) -> Callable[[], None] | None:
         """One decode step over `cache`; with `ahead`, the next one starts before this
         one's tokens are read, so building its graph overlaps this step's compute
-        (the way mlx-lm's and mlx-vlm's own loops decode)."""
+        (the way mlx-lm's and mlx-vlm's own loops decode). With `overlap`, the
+        forward is started and what reads its tokens is returned, to be called
+        once the step's other graphs are built."""
         try:
             request_ids = [r.request_id for r in requests]
             if self.batchable and len(requests) != len(self.batch.request_ids):
@@ -445,9 +494,13 @@ class Runner:
             if pending is None:
                 inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
                 logits = self.model.model.last_logits(inputs, cache)
-                if ahead:
+                if ahead or overlap:
                     pending = self._draw(logits, requests)
                     pending.start()
+            if pending is not None and overlap:
+                spent = time.perf_counter() - started
+                drawn = pending
+                return lambda: self._settle(requests, drawn, finish, result, spent)
             if pending is None:
                 rows = self._sample(logits, requests)
             else:
@@ -457,10 +510,42 @@ class Runner:
             result.decode_s += time.perf_counter() - started
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
-            self._forget([r.request_id for r in requests])
-            for request in requests:
-                result.outputs.append(RequestOutput(request.request_id, error=_describe(e)))
+            self._decode_failed(requests, e, result)
+            return None
+        self._decoded(requests, rows, finish, result)
+        return None
+
+    def _settle(
+        self,
+        requests: list[Request],
+        pending: PendingSample,
+        finish: FinishRule | None,
+        result: StepResult,
+        spent: float,
+    ) -> None:
+        """Read a decode step started earlier in this run; `spent`: its time so far."""
+        try:
+            started = time.perf_counter()
+            rows = self._take(pending, requests)
+            result.decode_s += spent + time.perf_counter() - started
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("decode step failed for %d request(s)", len(requests))
+            self._decode_failed(requests, e, result)
             return
+        self._decoded(requests, rows, finish, result)
+
+    def _decode_failed(self, requests: list[Request], error: Exception, result: StepResult) -> None:
+        self._forget([r.request_id for r in requests])
+        for request in requests:
+            result.outputs.append(RequestOutput(request.request_id, error=_describe(error)))
+
+    def _decoded(
+        self,
+        requests: list[Request],
+        rows: list[SampledRow],
+        finish: FinishRule | None,
+        result: StepResult,
+    ) -> None:
         result.decode_tokens += len(requests)
         snapshots = finish is not None and self.completion_snapshots
         for request, row in zip(requests, rows, strict=True):
