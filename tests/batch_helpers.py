@@ -6,7 +6,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxserve.engine.runner import DecodeBatch
+from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.loaded import LoadedModel
 

@@ -31,8 +31,9 @@ from batch_helpers import (
 from engine_helpers import run_requests, tokens_of
 
 from mlxserve.config import EngineConfig
+from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.engine.request import SamplingParams
-from mlxserve.engine.runner import DecodeBatch, Runner
+from mlxserve.engine.runner import Runner
 from mlxserve.models.dsv41_cache import BatchLayerCache, RowBuffer
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load

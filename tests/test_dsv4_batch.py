@@ -22,7 +22,8 @@ from batch_helpers import (
     step,
 )
 
-from mlxserve.engine.runner import DecodeBatch, Runner
+from mlxserve.engine.decode_batch import DecodeBatch
+from mlxserve.engine.runner import Runner
 from mlxserve.models.dsv4_batch import BatchCarryingPoolingCache
 from mlxserve.models.dsv4_overlap import CarryingPoolingCache
 from mlxserve.models.loaded import LoadedModel

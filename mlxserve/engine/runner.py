@@ -1,4 +1,4 @@
-"""The only code that touches mlx arrays: prefill chunks, batched decode, sampling.
+"""The code that runs the model: prefill chunks, batched decode, sampling.
 
 `run(plan)` is one step: free what finished, one forward over every decode
 row, then the plan's prefill chunks. Decode rows (one token each) and prefill
@@ -7,11 +7,12 @@ the same length, so a decode row in a chunk's forward would be padded to the
 chunk's length, costing that many times its compute and leaving as many
 padding columns in its cache each step (docs/mixed-batches.md has the
 measurements). Requests prefill over their own caches. A finished prefill
-joins the decode batch when every layer of its cache can be merged: mlx-lm's
-plain and sliding-window KV caches (`BatchKVCache`, `BatchRotatingKVCache`,
-left-padded), mlx-vlm's DeepSeek-V4 caches and DeepSeek-V4.1's layer caches
-(see `models/dsv4_batch.py`, `models/dsv41_cache.py`). Other cache types
-cannot be merged, so each such request decodes as its own batch of one.
+joins the decode batch (`decode_batch.py`) when every layer of its cache can
+be merged: mlx-lm's plain and sliding-window KV caches (`BatchKVCache`,
+`BatchRotatingKVCache`, left-padded), mlx-vlm's DeepSeek-V4 caches and
+DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`,
+`models/dsv41_cache.py`). Other cache types cannot be merged, so each such
+request decodes as its own batch of one.
 
 A decode step with no prefill beside it runs ahead: it starts the next
 step's forward over the tokens it is still drawing, so Python builds the next
@@ -29,20 +30,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import (
-    BatchKVCache,
-    BatchRotatingKVCache,
-    KVCache,
-    RotatingKVCache,
-    trim_prompt_cache,
-)
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
+from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import CacheCost, fit_cost, live_nbytes, probe_lengths
 from mlxserve.engine.plan import (
@@ -77,73 +73,6 @@ def _describe(error: BaseException) -> str:
 # Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
 PROBE_DECODE_STEPS = 4
 
-# mlx-lm cache classes with a batched form of their own.
-_LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
-
-
-def _mergeable(layer: Any) -> bool:
-    if type(layer) in _LM_BATCHED:
-        return True
-    from mlxserve.models.dsv4_batch import mergeable
-
-    return mergeable(layer)
-
-
-def _merge_layer(layer: Any) -> Any:
-    """One request's layer cache as a batch of one, chosen by cache type."""
-    batched = _LM_BATCHED.get(type(layer))
-    if batched is not None:
-        return batched.merge([layer])
-    from mlxserve.models.dsv4_batch import merge_layer
-
-    return merge_layer(layer)
-
-
-@dataclass
-class DecodeBatch:
-    """Requests decoding together over one batched cache (row i = request_ids[i]).
-
-    `ahead`: the next step's tokens, already fed to the cache and being drawn
-    (see `Runner._decode_group`); rows leaving the batch leave it too.
-    """
-
-    request_ids: list[str] = field(default_factory=list)
-    cache: list[Any] = field(default_factory=list)
-    ahead: PendingSample | None = None
-
-    def add(self, request_id: str, cache: list[Any]) -> None:
-        if self.ahead is not None:
-            # The batch's cache is a step ahead of the newcomer's: it cannot line up.
-            raise RuntimeError("a request cannot join while the next decode step is in flight")
-        merged = [_merge_layer(layer) for layer in cache]
-        if not self.request_ids:
-            self.cache = merged
-        else:
-            for mine, theirs in zip(self.cache, merged, strict=True):
-                mine.extend(theirs)
-        self.request_ids.append(request_id)
-
-    def take_ahead(self, request_ids: list[str]) -> PendingSample | None:
-        """The step already in flight, if any, for exactly these rows."""
-        ahead, self.ahead = self.ahead, None
-        if ahead is not None and request_ids != self.request_ids:
-            raise RuntimeError("decode batch out of step with the step in flight")
-        return ahead
-
-    def remove(self, request_ids: set[str]) -> None:
-        keep = [i for i, rid in enumerate(self.request_ids) if rid not in request_ids]
-        if len(keep) == len(self.request_ids):
-            return
-        self.request_ids = [self.request_ids[i] for i in keep]
-        if not keep:
-            self.cache = []
-            self.ahead = None
-            return
-        if self.ahead is not None:
-            self.ahead = self.ahead.rows(keep)
-        for layer in self.cache:
-            layer.filter(keep)
-
 
 class _Once:
     """Call `work` the first time this is called, and never again."""
@@ -157,6 +86,16 @@ class _Once:
             work()
 
 
+@dataclass
+class _BuiltChunk:
+    """A prefill chunk whose forward graph is built, not yet evaluated."""
+
+    chunk: PrefillChunk
+    cache: list[Any]
+    logits: mx.array
+    build_s: float
+
+
 class Runner:
     def __init__(
         self, model: LoadedModel, fault: FaultHook | None = None, decode_ahead: bool = True
@@ -167,7 +106,7 @@ class Runner:
         self.decode_ahead = decode_ahead
         probe = model.make_cache()
         # batchable: running requests decode as one batch over merged caches.
-        self.batchable = bool(probe) and all(_mergeable(layer) for layer in probe)
+        self.batchable = bool(probe) and all(mergeable(layer) for layer in probe)
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
         self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).
@@ -292,7 +231,10 @@ class Runner:
             settle()
             solo = prefill_group(self, plan.prefills, result)
         for chunk in solo:
-            self._prefill(chunk, result, settle)
+            built = self._build_chunk(chunk, result)
+            settle()  # the first chunk's graph is built: read the decode tokens now
+            if built is not None:
+                self._feed_chunk(built, result)
         settle()
         return result
 
@@ -323,44 +265,55 @@ class Runner:
             result.release_error = _describe(e)
 
     # -- prefill ------------------------------------------------------------
-    def _prefill(
-        self, chunk: PrefillChunk, result: StepResult, before_eval: Callable[[], None]
-    ) -> None:
-        """Feed one chunk; `before_eval` runs once its graph is built (it must not raise)."""
-        request = chunk.request
-        rid = request.request_id
+    def _build_chunk(self, chunk: PrefillChunk, result: StepResult) -> _BuiltChunk | None:
+        """A chunk's forward, built but not evaluated (None: it failed, and is reported)."""
+        rid = chunk.request.request_id
         try:
             cache = self.caches.get(rid)
             if cache is None:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
-            self.ensure_sampler(request)
-            context = request.context_ids
+            self.ensure_sampler(chunk.request)
+            context = chunk.request.context_ids
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
             logits = self.model.model.last_logits(tokens, cache)
-            output = RequestOutput(rid, computed=chunk.end)
-            waited = time.perf_counter()
-            before_eval()
-            waited = time.perf_counter() - waited
-            self._feed_only(logits, cache)
+            return _BuiltChunk(chunk, cache, logits, time.perf_counter() - started)
+        except Exception as e:  # a failing step fails its request, not the engine
+            logger.exception("prefill failed for request %s", rid)
+            self._prefill_failed(rid, e, result)
+            return None
+
+    def _feed_chunk(self, built: _BuiltChunk, result: StepResult) -> None:
+        """Evaluate a built chunk; a prompt's last chunk also samples its first token."""
+        chunk, cache = built.chunk, built.cache
+        request = chunk.request
+        rid = request.request_id
+        try:
+            started = time.perf_counter()
+            self._feed_only(built.logits, cache)
             # The pacer learns what feeding costs; a prompt's last chunk also runs
             # the head, which the others skip, so it is timed before the head.
-            elapsed = time.perf_counter() - started - waited
+            elapsed = built.build_s + time.perf_counter() - started
             result.prefill_chunks.append((chunk.num_tokens, elapsed))
+            output = RequestOutput(rid, computed=chunk.end)
             if chunk.is_last:
-                output.sampled = self._sample(logits, [request])[0]
+                output.sampled = self._sample(built.logits, [request])[0]
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
-                output.snapshot = self._snapshot(context[: chunk.end], cache, rid)
+                key = request.context_ids[: chunk.end]
+                output.snapshot = self._snapshot(key, cache, rid)
             result.outputs.append(output)
             if chunk.is_last and self.batchable:
                 self.joining.append(rid)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
-            self._forget([rid])
-            result.outputs.append(RequestOutput(rid, error=_describe(e)))
+            self._prefill_failed(rid, e, result)
+
+    def _prefill_failed(self, request_id: str, error: Exception, result: StepResult) -> None:
+        self._forget([request_id])
+        result.outputs.append(RequestOutput(request_id, error=_describe(error)))
 
     def _feed_only(self, logits: mx.array, cache: list[Any]) -> None:
         """Evaluate what a chunk wrote into the cache, not its logits: nothing samples

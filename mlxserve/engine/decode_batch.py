@@ -1,0 +1,83 @@
+"""The decode batch: requests decoding together over one batched cache.
+
+A request's layer caches merge into the batch when their type has a batched
+form: mlx-lm's plain and sliding-window KV caches (`BatchKVCache`,
+`BatchRotatingKVCache`, left-padded), mlx-vlm's DeepSeek-V4 caches and
+DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+from mlxserve.engine.sampling import PendingSample
+
+# mlx-lm cache classes with a batched form of their own.
+_LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
+
+
+def mergeable(layer: Any) -> bool:
+    if type(layer) in _LM_BATCHED:
+        return True
+    from mlxserve.models.dsv4_batch import mergeable as model_mergeable
+
+    return model_mergeable(layer)
+
+
+def _merge_layer(layer: Any) -> Any:
+    """One request's layer cache as a batch of one, chosen by cache type."""
+    batched = _LM_BATCHED.get(type(layer))
+    if batched is not None:
+        return batched.merge([layer])
+    from mlxserve.models.dsv4_batch import merge_layer
+
+    return merge_layer(layer)
+
+
+@dataclass
+class DecodeBatch:
+    """Requests decoding together over one batched cache (row i = request_ids[i]).
+
+    `ahead`: the next step's tokens, already fed to the cache and being drawn
+    (see `Runner._decode_group`); rows leaving the batch leave it too.
+    """
+
+    request_ids: list[str] = field(default_factory=list)
+    cache: list[Any] = field(default_factory=list)
+    ahead: PendingSample | None = None
+
+    def add(self, request_id: str, cache: list[Any]) -> None:
+        if self.ahead is not None:
+            # The batch's cache is a step ahead of the newcomer's: it cannot line up.
+            raise RuntimeError("a request cannot join while the next decode step is in flight")
+        merged = [_merge_layer(layer) for layer in cache]
+        if not self.request_ids:
+            self.cache = merged
+        else:
+            for mine, theirs in zip(self.cache, merged, strict=True):
+                mine.extend(theirs)
+        self.request_ids.append(request_id)
+
+    def take_ahead(self, request_ids: list[str]) -> PendingSample | None:
+        """The step already in flight, if any, for exactly these rows."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and request_ids != self.request_ids:
+            raise RuntimeError("decode batch out of step with the step in flight")
+        return ahead
+
+    def remove(self, request_ids: set[str]) -> None:
+        keep = [i for i, rid in enumerate(self.request_ids) if rid not in request_ids]
+        if len(keep) == len(self.request_ids):
+            return
+        self.request_ids = [self.request_ids[i] for i in keep]
+        if not keep:
+            self.cache = []
+            self.ahead = None
+            return
+        if self.ahead is not None:
+            self.ahead = self.ahead.rows(keep)
+        for layer in self.cache:
+            layer.filter(keep)
