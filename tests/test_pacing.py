@@ -137,8 +137,9 @@ def _prefilling(request_id: str, prompt_tokens: int, computed: int) -> Request:
     return request
 
 
-def _paced_scheduler(*requests: Request) -> Scheduler:
-    scheduler = Scheduler(EngineConfig(prefix_cache=False, max_step_ms=20.0), frozenset())
+def _paced_scheduler(*requests: Request, min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> Scheduler:
+    config = EngineConfig(prefix_cache=False, max_step_ms=20.0)
+    scheduler = Scheduler(config, frozenset(), min_chunk_tokens=min_chunk_tokens)
     scheduler.pacer.observe(_chunk(100, 0.100))  # 1 ms a token: 40 tokens alone
     scheduler.running.extend(requests)
     return scheduler
@@ -177,3 +178,30 @@ def test_a_prompt_that_ends_in_a_step_is_not_held_back_by_another_prompts_chunk(
     _paced_scheduler(short, other, long)._plan_prefills(plan)
     # Another prompt that also ends within the time left still joins.
     assert sorted(c.request.request_id for c in plan.prefills) == ["other", "short"]
+
+
+def test_no_chunk_is_cut_shorter_than_the_model_allows_nor_leaves_a_stub() -> None:
+    # 20 ms at 1 ms a token fits 20 tokens; this model's chunks cost less from 32 up.
+    long = _prefilling("long", 4096, 0)
+    plan = StepPlan()
+    _paced_scheduler(long, min_chunk_tokens=32)._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [32]
+    # 40 tokens left: a 20-token chunk would leave a 20-token stub, so all 40 go.
+    tail = _prefilling("tail", 4096, 4096 - 40)
+    plan = StepPlan()
+    _paced_scheduler(tail, min_chunk_tokens=32)._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [40]
+    # With the default shortest chunk the same tail is cut at the pacer's 20 tokens.
+    tail = _prefilling("tail", 4096, 4096 - 40)
+    plan = StepPlan()
+    _paced_scheduler(tail)._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [20]
+
+
+def test_deepseek_v4_chunks_are_never_cut_into_its_tokenwise_blocks() -> None:
+    from mlx_vlm.models.linear import DECODE_BLOCK_SIZE
+
+    from mlxserve.models.load import min_prefill_chunk
+
+    assert min_prefill_chunk("deepseek_v4") == DECODE_BLOCK_SIZE + 1
+    assert min_prefill_chunk("qwen3") == 1

@@ -12,7 +12,7 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mlxserve.models.load import VLM_TYPES, load, read_config
 
@@ -24,13 +24,18 @@ def decode_rate(first: float, last: float, tokens: int) -> float:
     return (tokens - 1) / max(last - first, 1e-9)
 
 
-def _mlx_lm_rate(model: Any, prompt: list[int], tokens: int) -> float:
+class _MlxLmModel(NamedTuple):
+    module: Any
+    tokenizer: Any
+
+
+def _mlx_lm_rate(model: _MlxLmModel, prompt: list[int], tokens: int) -> float:
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     stamps = []
     for _ in stream_generate(
-        model.model.module, model.tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)
+        model.module, model.tokenizer, prompt, max_tokens=tokens, sampler=make_sampler(0.0)
     ):
         stamps.append(time.perf_counter())
     return decode_rate(stamps[0], stamps[-1], len(stamps))
@@ -47,11 +52,11 @@ def _mlx_vlm_rate(model: Any, prompt: list[int], tokens: int) -> float:
     return decode_rate(stamps[0], stamps[-1], len(stamps))
 
 
-def _mlx_lm_batch_rate(model: Any, prompts: list[list[int]], tokens: int) -> float:
+def _mlx_lm_batch_rate(model: _MlxLmModel, prompts: list[list[int]], tokens: int) -> float:
     """Aggregate decode tokens/s of mlx-lm's BatchGenerator on the same prompts."""
     from mlx_lm.generate import BatchGenerator
 
-    generator = BatchGenerator(model.model.module, max_tokens=tokens, stop_tokens=[])
+    generator = BatchGenerator(model.module, max_tokens=tokens, stop_tokens=[])
     generator.insert(prompts, [tokens] * len(prompts))
     produced = 0
     start = 0.0
@@ -69,11 +74,16 @@ def _mlx_lm_batch_rate(model: Any, prompts: list[list[int]], tokens: int) -> flo
 
 
 def _load_reference(path: Path) -> Any:
+    """The checkpoint as the dependency itself loads it, without our load-time
+    changes (batched V4.1 attention, the CPU head layout)."""
     if read_config(path)["model_type"] in VLM_TYPES:
-        from mlx_vlm.utils import load_model
+        from mlx_vlm.utils import load_model as vlm_load_model
 
-        return load_model(path)
-    return load(path)
+        return vlm_load_model(path)
+    from mlx_lm.utils import load as mlx_lm_load
+
+    module, tokenizer = mlx_lm_load(str(path))[:2]
+    return _MlxLmModel(module, tokenizer)
 
 
 class Reference:

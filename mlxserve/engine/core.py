@@ -174,7 +174,12 @@ class EngineCore:
         self.runner = Runner(model, self._fault)
         self.memory = self._measure_memory(model, self.runner)
         self.scheduler = Scheduler(
-            self.config, model.eos_token_ids, self.prefix_cache, self.memory, self._fault
+            self.config,
+            model.eos_token_ids,
+            self.prefix_cache,
+            self.memory,
+            self._fault,
+            min_chunk_tokens=model.min_prefill_chunk,
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
 

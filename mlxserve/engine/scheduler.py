@@ -66,8 +66,12 @@ class Scheduler:
         prefix_cache: PrefixCache | None = None,
         memory: KVBudget | None = None,
         fault: FaultHook | None = None,
+        min_chunk_tokens: int = MIN_CHUNK_TOKENS,
     ) -> None:
         self.config = config
+        # Paced chunks are never cut shorter, so a long prompt always progresses
+        # (and, where the model says short chunks cost more, never at a loss).
+        self.min_chunk_tokens = max(MIN_CHUNK_TOKENS, min_chunk_tokens)
         self._fault = fault
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
@@ -182,10 +186,14 @@ class Scheduler:
                     break
             allowed = budget
             if left is not None:
+                shortest = self.min_chunk_tokens
                 fits = pacer.tokens_within(left)
-                if plan.prefills and fits < min(MIN_CHUNK_TOKENS, request.prefill_remaining):
+                if plan.prefills and fits < min(shortest, request.prefill_remaining):
                     break
-                allowed = min(budget, max(fits, MIN_CHUNK_TOKENS))
+                allowed = max(fits, shortest)
+                if 0 < request.prefill_remaining - allowed < shortest:
+                    allowed = request.prefill_remaining  # leave no stub: it costs a forward
+                allowed = min(budget, allowed)
             if allowed <= 0:
                 break
             chunk = self._next_chunk(request, allowed)

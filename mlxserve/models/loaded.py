@@ -32,4 +32,7 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     chat_encoder: str
     vocab_size: int
+    # Prefill chunks shorter than this cost more than one this long (see
+    # `load.min_prefill_chunk`), so the scheduler does not cut shorter ones.
+    min_prefill_chunk: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
