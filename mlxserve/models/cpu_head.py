@@ -8,8 +8,8 @@ that head runs on the wheel's reference BLAS, one thread:
   the weight's transpose stored contiguous, the same sums (same order: bit-equal
   logits) run as vectorised column updates, about 1.5x faster.
 - Split by vocabulary rows into parts, each part's product runs on its own CPU
-  stream, so on its own thread: with two cores the head takes about 0.57 of
-  its time (measured on the tiny checkpoints' 129280 x 64 head, 1 to 8 rows).
+  stream, so on its own thread: with two cores a head of 4 or 8 rows takes
+  about 0.6 of its time (measured on the tiny checkpoints' 129280 x 64 head).
 
 Each output is still the one BLAS sum over the hidden size, so the logits are
 bit-equal to `nn.Linear`'s. Half-precision heads gain nothing from the layout
@@ -28,8 +28,9 @@ import mlx.nn as nn
 
 # More parts than this gain little while the rest of a step runs on one thread.
 MAX_PARTS = 4
-# Fewer rows run on one stream: a one-row head is short enough that a second
-# busy thread slows the next step's graph building more than it saves.
+# Fewer rows run their parts on one stream: on the tiny DeepSeek-V4 one row split
+# over two streams decoded slower (130 against 148 tokens/s), the next step's
+# graph building then competing for the second core.
 MIN_SPLIT_ROWS = 2
 # Part boundaries fall on multiples of this many rows (whole vector lanes).
 _ROW_ALIGN = 64
