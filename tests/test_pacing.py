@@ -21,11 +21,18 @@ def _chunk(tokens: int, seconds: float) -> StepResult:
     return StepResult(prefill_tokens=tokens, prefill_chunks=[(tokens, seconds)])
 
 
+def _affordable(pacer: Pacer, decode_rows: int, alone: bool = False) -> int | None:
+    """The longest chunk a step's prefill budget fits (None: no bound yet), as the
+    scheduler asks for it before applying its own shortest chunk."""
+    budget = pacer.prefill_budget_s(decode_rows, alone)
+    return None if budget is None else pacer.tokens_within(budget)
+
+
 def test_no_bound_until_measured() -> None:
     pacer = Pacer()
-    assert pacer.prefill_tokens(decode_rows=1) is None
+    assert _affordable(pacer, decode_rows=1) is None
     pacer.observe(StepResult(decode_tokens=1, decode_s=0.01))
-    assert pacer.prefill_tokens(decode_rows=1) is None  # prefill speed not known yet
+    assert _affordable(pacer, decode_rows=1) is None  # prefill speed not known yet
 
 
 def test_default_target_is_a_multiple_of_the_decode_step() -> None:
@@ -35,8 +42,8 @@ def test_default_target_is_a_multiple_of_the_decode_step() -> None:
     assert pacer.target_s() == pytest.approx(STEP_TIME_FACTOR * 0.010)
     # The decode batch's time comes out of the step first.
     expected = (STEP_TIME_FACTOR - 1) * 0.010 / 0.001
-    assert pacer.prefill_tokens(decode_rows=1) == pytest.approx(expected, abs=1)
-    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    assert _affordable(pacer, decode_rows=1) == pytest.approx(expected, abs=1)
+    alone = _affordable(pacer, decode_rows=0, alone=True)
     # No fixed cost measured yet: a prompt prefilling alone is paced to the same target.
     assert alone == pytest.approx(STEP_TIME_FACTOR * 0.010 / 0.001, abs=1)
 
@@ -46,7 +53,7 @@ def test_fixed_cost_is_fitted_apart_from_the_cost_per_token() -> None:
     for _ in range(10):  # 10 ms a forward + 0.5 ms a token
         for tokens in (8, 64, 256):
             pacer.observe(_chunk(tokens, 0.010 + 0.0005 * tokens))
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(40, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(40, abs=1)
 
 
 def test_alone_a_large_fixed_cost_lengthens_the_chunk() -> None:
@@ -55,10 +62,10 @@ def test_alone_a_large_fixed_cost_lengthens_the_chunk() -> None:
     for _ in range(10):  # 10 ms a forward + 0.5 ms a token
         for tokens in (8, 64, 256):
             pacer.observe(_chunk(tokens, 0.010 + 0.0005 * tokens))
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(20, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(20, abs=1)
     # Alone, the fixed 10 ms may take only a share of the chunk's time.
     alone_s = 0.010 / ALONE_MAX_FIXED_SHARE
-    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    alone = _affordable(pacer, decode_rows=0, alone=True)
     assert alone == pytest.approx((alone_s - 0.010) / 0.0005, abs=1)
 
 
@@ -73,38 +80,39 @@ def test_one_slow_small_chunk_does_not_make_the_next_chunk_run_long() -> None:
     for _ in range(10):
         pacer.observe(StepResult(decode_tokens=1, decode_s=0.0097))
         pacer.observe(_chunk(95, true_cost_s(95)))
-    before = pacer.prefill_tokens(decode_rows=0, alone=True)
+    before = _affordable(pacer, decode_rows=0, alone=True)
     pacer.observe(_chunk(4, 0.0116))
     target = pacer.target_s()
     assert target is not None and before is not None
-    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    alone = _affordable(pacer, decode_rows=0, alone=True)
     assert alone is not None
     assert true_cost_s(alone) <= 2 * target
     assert alone <= 1.25 * before
-    paced = pacer.prefill_tokens(decode_rows=1)
+    paced = _affordable(pacer, decode_rows=1)
     assert paced is not None
     assert true_cost_s(paced) <= target
 
 
-def test_explicit_target_and_the_floor() -> None:
+def test_explicit_target_and_a_step_too_short_for_any_chunk() -> None:
     pacer = Pacer(max_step_ms=50.0)
     pacer.observe(_chunk(64, 0.064))
     pacer.observe(StepResult(decode_tokens=1, decode_s=0.01))
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(50, abs=1)
-    assert pacer.prefill_tokens(decode_rows=1) == pytest.approx(40, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(50, abs=1)
+    assert _affordable(pacer, decode_rows=1) == pytest.approx(40, abs=1)
     slow = Pacer(max_step_ms=0.001)
     slow.observe(_chunk(64, 1.0))
-    assert slow.prefill_tokens(decode_rows=0) == MIN_CHUNK_TOKENS
+    # Nothing fits: the scheduler still feeds its shortest chunk (tested below).
+    assert _affordable(slow, decode_rows=0) == 0
 
 
 def test_estimates_follow_the_model() -> None:
     pacer = Pacer(max_step_ms=100.0)
     for _ in range(40):
         pacer.observe(_chunk(100, 0.2))  # 2 ms a token
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(50, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(50, abs=1)
     for _ in range(40):
         pacer.observe(_chunk(100, 0.4))  # a longer context: 4 ms a token
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(25, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(25, abs=1)
 
 
 def test_a_lasting_slowdown_is_still_learned() -> None:
@@ -113,7 +121,7 @@ def test_a_lasting_slowdown_is_still_learned() -> None:
         pacer.observe(_chunk(100, 0.1))  # 1 ms a token
     for _ in range(40):
         pacer.observe(_chunk(100, 0.5))  # five times slower from now on
-    assert pacer.prefill_tokens(decode_rows=0) == pytest.approx(20, abs=1)
+    assert _affordable(pacer, decode_rows=0) == pytest.approx(20, abs=1)
 
 
 def test_the_target_follows_the_size_of_the_decode_batch() -> None:
@@ -126,7 +134,7 @@ def test_the_target_follows_the_size_of_the_decode_batch() -> None:
     assert pacer.target_s(6) == pytest.approx(STEP_TIME_FACTOR * 0.080)  # nearest measured
     # Nobody decoding: a newcomer would decode alone, so the eight-row steps do not count.
     assert pacer.target_s(0) == pytest.approx(STEP_TIME_FACTOR * 0.020)
-    alone = pacer.prefill_tokens(decode_rows=0, alone=True)
+    alone = _affordable(pacer, decode_rows=0, alone=True)
     assert alone == pytest.approx(STEP_TIME_FACTOR * 20, abs=1)
 
 
@@ -205,3 +213,14 @@ def test_deepseek_v4_chunks_are_never_cut_into_its_tokenwise_blocks() -> None:
 
     assert min_prefill_chunk("deepseek_v4") == DECODE_BLOCK_SIZE + 1
     assert min_prefill_chunk("qwen3") == 1
+
+
+def test_a_long_prompt_progresses_even_when_no_chunk_fits_the_step() -> None:
+    long = _prefilling("long", 4096, 0)
+    scheduler = _paced_scheduler(long)
+    for _ in range(40):
+        scheduler.pacer.observe(_chunk(100, 10.0))  # far slower than the 20 ms target
+    assert scheduler.pacer.tokens_within(0.020) < MIN_CHUNK_TOKENS
+    plan = StepPlan()
+    scheduler._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [MIN_CHUNK_TOKENS]

@@ -156,10 +156,3 @@ class Pacer:
         assert line is not None
         fixed, per_token = line
         return max(fixed + per_token * tokens, self._prefill.mean_rate() * tokens)
-
-    def prefill_tokens(self, decode_rows: int, alone: bool = False) -> int | None:
-        """Tokens of one chunk a step may feed, at least MIN_CHUNK_TOKENS (None: no bound)."""
-        budget = self.prefill_budget_s(decode_rows, alone)
-        if budget is None:
-            return None
-        return max(MIN_CHUNK_TOKENS, self.tokens_within(budget))
