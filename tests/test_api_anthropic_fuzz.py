@@ -42,7 +42,7 @@ BLOCK_TYPES = ["text", "tool_use", "tool_result", "thinking", "redacted_thinking
 json_values = st.recursive(
     st.none()
     | st.booleans()
-    | st.integers(-(2**40), 2**40)
+    | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: (
@@ -134,6 +134,13 @@ def test_garbage_bodies_get_clean_answers(server: ServerThread, raw: bytes) -> N
     with httpx.Client(base_url=server.url, timeout=30) as client:
         for path in ("/v1/messages", "/v1/messages/count_tokens"):
             _check(client.post(path, content=raw))
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(server: ServerThread) -> None:
+    body = {**_body(), "max_tokens": 2, "temperature": 1.0, "top_k": 10**12}
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        response = client.post("/v1/messages", content=json.dumps(body))
+    assert response.status_code == 200, response.text
 
 
 def test_still_serves_after_the_fuzz(server: ServerThread) -> None:

@@ -48,7 +48,7 @@ MESSAGE_FIELDS = ["role", "content", "tool_calls", "tool_call_id", "reasoning_co
 json_values = st.recursive(
     st.none()
     | st.booleans()
-    | st.integers(-(2**40), 2**40)
+    | st.integers(-(2**70), 2**70)
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=12),
     lambda inner: (
@@ -112,3 +112,28 @@ def test_still_serves_after_the_fuzz(server: ServerThread) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as client:
         response = client.post("/v1/chat/completions", json=chat_body(max_tokens=4))
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "status"),
+    [
+        ("top_k", 129280, 200),  # the whole vocabulary: no filtering
+        ("top_k", 10**12, 200),
+        ("top_k", -1, 200),  # vLLM's "disabled"
+        ("top_k", -2, 400),
+        ("seed", -1, 200),
+        ("seed", 2**64 - 1, 200),
+        ("seed", 2**64, 400),
+        ("seed", -(2**63) - 1, 400),
+    ],
+)
+def test_sampling_knobs_at_their_limits(
+    server: ServerThread, knob: str, value: int, status: int
+) -> None:
+    body = chat_body(max_tokens=2, temperature=1.0, **{knob: value})
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    if status == 200:
+        assert response.status_code == 200, response.text
+    else:
+        assert knob in assert_error_shape(response, status)["message"]

@@ -231,7 +231,7 @@ class ServerState:
                 max_tokens=max_tokens,
                 temperature=_or(sampling.temperature, 1.0),
                 top_p=_or(sampling.top_p, 1.0),
-                top_k=_or(sampling.top_k, 0),
+                top_k=0 if sampling.top_k == -1 else _or(sampling.top_k, 0),
                 min_p=_or(sampling.min_p, 0.0),
                 seed=sampling.seed,
                 repetition_penalty=_or(sampling.repetition_penalty, 1.0),

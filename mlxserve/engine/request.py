@@ -56,6 +56,10 @@ class Constraint:
     start_after: tuple[int, ...] = ()
 
 
+# Seeds are 64-bit: signed (as vLLM takes them) or unsigned, folded onto one key.
+SEED_LIMIT = 1 << 64
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. temperature 0 means greedy."""
@@ -84,7 +88,11 @@ class SamplingParams:
                 "temperature must be >= 0",
             ),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (self.top_k >= 0, "top_k must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0 (0 or -1: no top-k filtering)"),
+            (
+                self.seed is None or -(SEED_LIMIT >> 1) <= self.seed < SEED_LIMIT,
+                "seed must be an integer of at most 64 bits",
+            ),
             (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),

@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer
-from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.request import SEED_LIMIT, SamplingParams
 
 
 def int_list(array: mx.array) -> list[int]:
@@ -46,7 +46,7 @@ def new_sampler_state(
     params: SamplingParams, prompt_ids: list[int], grammar: GrammarTokenizer | None = None
 ) -> SamplerState:
     seed = params.seed if params.seed is not None else random.getrandbits(63)
-    state = SamplerState(key=mx.random.key(seed))
+    state = SamplerState(key=mx.random.key(seed % SEED_LIMIT))
     if params.constraint is not None:
         if grammar is None:
             raise ValueError("this model cannot take structured-output constraints")
@@ -96,7 +96,7 @@ def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.a
 
 def _draw(logprobs: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
     scaled = logprobs * (1.0 / params.temperature)
-    if params.top_k > 0:
+    if 0 < params.top_k < scaled.shape[-1]:  # a top_k past the vocabulary keeps every token
         scaled = apply_top_k(scaled, params.top_k)
     if params.min_p > 0:
         scaled = apply_min_p(scaled, params.min_p)
