@@ -107,6 +107,9 @@ def test_hermes_arguments_as_json_string_and_missing() -> None:
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
         '<tool_call>{"name": "f", "arguments": {]}</tool_call>',
         '<tool_call>{"name": "f", "arguments": {"a": 1}',
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": {"y": 1e999}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "{\\"z\\": -Infinity}"}</tool_call>',
     ],
 )
 def test_hermes_malformed_stays_content(bad: str) -> None:

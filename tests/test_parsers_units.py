@@ -94,6 +94,8 @@ def test_truncated_block_comes_back_verbatim_at_finish() -> None:
     "broken",
     [
         WEATHER.replace('string="false">3', 'string="false">NaN'),
+        WEATHER.replace('string="false">3', 'string="false">1e400'),
+        WEATHER.replace('string="false">3', 'string="false">[-Infinity]'),
         WEATHER.replace('string="false">3', 'string="false">'),
         WEATHER.replace('string="false">3', 'string="maybe">3'),
         WEATHER.replace('name="get_weather"', 'name=""'),
@@ -101,7 +103,17 @@ def test_truncated_block_comes_back_verbatim_at_finish() -> None:
         "\n\n<｜DSML｜tool_calls>\n</｜DSML｜tool_calls>",
         WEATHER.replace('name="days"', 'name="city"'),
     ],
-    ids=["nan", "empty-json", "bad-flag", "empty-name", "junk", "no-invoke", "dup-param"],
+    ids=[
+        "nan",
+        "overflow",
+        "infinity",
+        "empty-json",
+        "bad-flag",
+        "empty-name",
+        "junk",
+        "no-invoke",
+        "dup-param",
+    ],
 )
 def test_malformed_blocks_stay_content(broken: str) -> None:
     for deltas in (chars(broken), [broken]):

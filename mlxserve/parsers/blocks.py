@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,24 @@ from mlxserve.parsers.events import (
     new_call_id,
 )
 from mlxserve.parsers.textscan import find_first, held_tail_len, lead_start
+
+
+def strict_json_loads(text: str) -> Any:
+    """`json.loads` of standard JSON only. NaN, Infinity and numbers past the
+    float range (`1e400`) are errors: they would go out as `NaN` / `Infinity`,
+    which JavaScript's `JSON.parse` and strict encoders refuse."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite_float)
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"not JSON: {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number out of range: {text}")
+    return value
 
 
 class Status(enum.Enum):

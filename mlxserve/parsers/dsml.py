@@ -24,7 +24,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mlxserve.parsers.blocks import BlockScanner, BlockToolParser, Status
+from mlxserve.parsers.blocks import BlockScanner, BlockToolParser, Status, strict_json_loads
 from mlxserve.parsers.textscan import WHITESPACE, partial_marker_len
 
 MAX_NAME = 256
@@ -75,10 +75,6 @@ def _json(value: Any) -> str:
     # As the whole arguments object is written: JSON escaping is per character,
     # so a string's pieces escape to the pieces of its escaped form.
     return json.dumps(value, ensure_ascii=False)
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"not JSON: {name}")
 
 
 class DsmlScanner(BlockScanner):
@@ -239,7 +235,7 @@ class DsmlScanner(BlockScanner):
             self._fragment('"')
         else:
             try:
-                value = json.loads(text, parse_constant=_reject_constant)
+                value = strict_json_loads(text)
             except (ValueError, RecursionError):
                 return Status.BAD
             self._args[self._key] = value

@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from mlxserve.parsers.blocks import BlockScanner, BlockToolParser, Status
+from mlxserve.parsers.blocks import BlockScanner, BlockToolParser, Status, strict_json_loads
 from mlxserve.parsers.textscan import WHITESPACE
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -38,7 +38,7 @@ _MAX_HEAD = 1024
 def _decode_call(text: str) -> tuple[str, dict[str, Any]] | None:
     """(name, arguments) from a call object's JSON text, or None when invalid."""
     try:
-        obj = json.loads(text)
+        obj = strict_json_loads(text)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict):
@@ -47,7 +47,7 @@ def _decode_call(text: str) -> tuple[str, dict[str, Any]] | None:
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = strict_json_loads(args) if args.strip() else {}
         except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not name or not isinstance(args, dict):
@@ -167,7 +167,7 @@ class JsonCallScanner(BlockScanner):
     def _streamed_matches(self, call: tuple[str, dict[str, Any]]) -> bool:
         """The streamed name and arguments text are what the whole object says."""
         try:
-            streamed = json.loads("".join(self.streamed[0]))
+            streamed = strict_json_loads("".join(self.streamed[0]))
         except (ValueError, RecursionError):
             return False
         return call == (self._name, streamed)
