@@ -83,7 +83,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="byte budget of running caches + prefix cache (default: from the device)",
     )
     p.add_argument(
-        "--request-timeout", type=float, default=None, help="fail requests running longer (s)"
+        "--request-timeout",
+        type=float,
+        default=None,
+        help=(
+            "end requests running longer (s): one that has begun its answer keeps it "
+            "(finish_reason length), one with no output yet fails with an error"
+        ),
     )
     p.add_argument(
         "--exit-on-engine-failure",

@@ -22,7 +22,15 @@ from engine_helpers import (
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.async_engine import AsyncEngine
-from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
+from mlxserve.engine.request import (
+    EngineNotReady,
+    EngineOverloaded,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    TokenEvent,
+)
+from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
 
@@ -283,7 +291,30 @@ def _slow(path, delay_s: float):
     return loader, holder
 
 
-def test_request_timeout_fails_running_and_waiting_requests(model_dir_factory) -> None:
+def test_a_preempted_request_that_times_out_keeps_its_answer() -> None:
+    """Preempted back into the queue with output already sent, a request that runs out
+    of time ends as `length` like a decoding one; one with no output yet fails."""
+    scheduler = Scheduler(EngineConfig(request_timeout_s=1.0, prefix_cache=False), frozenset())
+    long_ago = time.monotonic() - 10
+    preempted = Request("preempted", [1, 2, 3], SamplingParams(max_tokens=50), long_ago)
+    preempted.output_ids = [7, 8]
+    preempted.fill_ids = preempted.prompt_ids + preempted.output_ids
+    fresh = Request("fresh", [4, 5], SamplingParams(max_tokens=50), long_ago)
+    scheduler.add(preempted)
+    scheduler.add(fresh)
+    scheduler.schedule()
+    ends = {e.request_id: e for e in scheduler.take_events() if e.finish_reason}
+    assert ends["preempted"].finish_reason == "length"
+    assert ends["preempted"].error is None
+    assert ends["fresh"].finish_reason == "error"
+    assert "timed out" in (ends["fresh"].error or "")
+    assert preempted.status == RequestStatus.FINISHED_LENGTH
+    assert not scheduler.waiting and scheduler.counters.timeouts == 2
+
+
+def test_request_timeout_ends_a_decoding_request_as_length_and_fails_a_waiting_one(
+    model_dir_factory,
+) -> None:
     loader, holder = _slow(model_dir_factory("llama"), 0.02)
 
     async def main() -> None:
@@ -293,10 +324,14 @@ def test_request_timeout_fails_running_and_waiting_requests(model_dir_factory) -
         try:
             running = engine.submit([1, 2], SamplingParams(max_tokens=100_000))
             waiting = engine.submit([3, 4], SamplingParams(max_tokens=100_000))
-            for stream in (running, waiting):
-                events = await asyncio.wait_for(collect(stream), 10)
-                assert events[-1].finish_reason == "error"
-                assert "timed out after 0.5 s" in (events[-1].error or "")
+            decoded = await asyncio.wait_for(collect(running), 10)
+            assert decoded[-1].finish_reason == "length"
+            assert decoded[-1].error is None
+            assert len(tokens_of(decoded)) > 0
+            queued = await asyncio.wait_for(collect(waiting), 10)
+            assert queued[-1].finish_reason == "error"
+            assert "timed out after 0.5 s" in (queued[-1].error or "")
+            assert tokens_of(queued) == []
             assert engine.stats()["timeouts"] == 2
             assert await asyncio.to_thread(wait_until, lambda: idle(engine))
         finally:

@@ -221,7 +221,13 @@ class Scheduler:
         for request in list(self.waiting) + list(self.running):
             if now - request.arrival_time > timeout:
                 self.counters.timeouts += 1
-                self.fail(request.request_id, f"the request timed out after {timeout:g} s")
+                if request.output_ids:
+                    # Out of time as out of tokens: the client keeps the answer so far
+                    # (a preempted request too), and an error would only make its SDK
+                    # retry the whole request.
+                    self.abort(request.request_id, RequestStatus.FINISHED_LENGTH)
+                else:
+                    self.fail(request.request_id, f"the request timed out after {timeout:g} s")
 
     # -- memory ---------------------------------------------------------------
     def _reserve(self, request: Request) -> int:
