@@ -163,6 +163,29 @@ def test_no_per_request_state_is_left_on_any_path(llama_server: ServerThread) ->
     assert _idle(srv)
 
 
+def _text_outcomes(srv: ServerThread) -> dict[str, float]:
+    prefix = 'mlxserve_requests_total{endpoint="text",outcome="'
+    counts = {}
+    for line in httpx.get(srv.url + "/metrics").text.splitlines():
+        if line.startswith(prefix):
+            outcome, value = line[len(prefix) :].split('"} ')
+            counts[outcome] = float(value)
+    return counts
+
+
+def test_a_failed_generation_counts_once(llama_server: ServerThread) -> None:
+    """The run counts its outcome; the 500 it answers is not a second request."""
+    srv = llama_server
+    before = _text_outcomes(srv)
+    body = {"prompt": [5, BAD_TOKEN], "max_tokens": 4}
+    assert httpx.post(srv.base_url + "/completions", json=body, timeout=30).status_code == 500
+    with httpx.stream("POST", srv.base_url + "/completions", json=body | {"stream": True}) as r:
+        assert "generation_failed" in r.read().decode()
+    after = _text_outcomes(srv)
+    grown = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k, 0.0)}
+    assert grown == {"error": 2.0}
+
+
 async def _load_stream(client: httpx.AsyncClient, i: int, drop: bool) -> str | None:
     body = chat_body(f"Stream number {i}", stream=True, max_tokens=8)
     finish = None

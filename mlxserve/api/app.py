@@ -13,7 +13,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.anthropic_routes import count_tokens, messages
-from mlxserve.api.errors import APIError, BodyLimitMiddleware, check_api_key, install_handlers
+from mlxserve.api.errors import (
+    APIError,
+    BodyLimitMiddleware,
+    GenerationFailed,
+    check_api_key,
+    install_handlers,
+)
 from mlxserve.api.handlers import ClientGone, chat_completions, completions
 from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mlxserve.api.responses_routes import ResponsesAPI
@@ -89,6 +95,8 @@ async def _generate(state: ServerState, request: Request, kind: str, handler: Ha
     check_api_key(request, state.config.api_key)
     try:
         return await handler(state, request)
+    except GenerationFailed:
+        raise
     except APIError as e:
         state.metrics.count_request(kind, str(e.status))
         raise

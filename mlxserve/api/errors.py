@@ -89,6 +89,13 @@ class APIError(Exception):
         return JSONResponse(body, status_code=self.status, headers=self.headers)
 
 
+class GenerationFailed(APIError):
+    """The engine failed a non-streamed request: a 500 whose run already counted it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(500, message, type="server_error", code="generation_failed")
+
+
 def bad_request(message: str, param: str | None = None) -> APIError:
     """A 400 `invalid_request_error` naming the offending field."""
     return APIError(400, message, param=param)

@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from mlxserve.api.detok import CONTEXT_TOKENS
-from mlxserve.api.errors import APIError, error_body
+from mlxserve.api.errors import APIError, GenerationFailed, error_body
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.keepalive import SSE_COMMENT, with_keepalive
 from mlxserve.api.notices import warn_once
@@ -200,7 +200,7 @@ class GenerationRun:
             async for delta in self.deltas():
                 acc.add(delta)
         except EngineRequestFailed as e:
-            raise APIError(500, str(e), type="server_error", code="generation_failed") from e
+            raise GenerationFailed(str(e)) from e
         return acc
 
     async def collect(self) -> dict[str, Any]:
