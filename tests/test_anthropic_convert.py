@@ -387,6 +387,67 @@ def test_message_body_matches_the_stream() -> None:
     assert unseal_reasoning(hidden["content"][0]["signature"]) == "Think."
 
 
+def _folded(events: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The content blocks a client builds from the stream events."""
+    blocks: list[dict[str, Any]] = []
+    partial: dict[int, str] = {}
+    for name, data in events:
+        if name == "content_block_start":
+            blocks.append(dict(data["content_block"]))
+        elif name == "content_block_delta":
+            block, delta = blocks[data["index"]], data["delta"]
+            if delta["type"] == "text_delta":
+                block["text"] += delta["text"]
+            elif delta["type"] == "thinking_delta":
+                block["thinking"] += delta["thinking"]
+            elif delta["type"] == "signature_delta":
+                block["signature"] = delta["signature"]
+            else:
+                partial[data["index"]] = partial.get(data["index"], "") + delta["partial_json"]
+    for index, text in partial.items():
+        blocks[index]["input"] = json.loads(text)
+    return blocks
+
+
+def test_message_body_keeps_the_order_of_text_and_tool_calls() -> None:
+    """Text between and after calls stays where the model put it, as in the stream."""
+    deltas = [
+        OutputDelta(reasoning="Plan."),
+        OutputDelta(content="First I read."),
+        OutputDelta(tool_calls=[ToolCallDelta(0, "call_1", "read", "")]),
+        OutputDelta(tool_calls=[ToolCallDelta(0, arguments='{"path": "a"}')]),
+        OutputDelta(content="Then "),
+        OutputDelta(content="I write."),
+        OutputDelta(tool_calls=[ToolCallDelta(1, "call_2", "write", '{"path": "b"}')]),
+        OutputDelta(content="Both sent."),
+        OutputDelta(finish_reason="tool_calls"),
+    ]
+    writer = MessageEvents(META)
+    events = writer.start(Usage())
+    acc = Accumulator()
+    for delta in deltas:
+        events += writer.delta(delta)
+        acc.add(delta)
+    events += writer.finish("tool_calls", None, Usage())
+    body = message_body(META, acc, Usage(), None)
+    kinds = ["thinking", "text", "tool_use", "text", "tool_use", "text"]
+    assert [b["type"] for b in body["content"]] == kinds
+    assert body["content"] == _folded(events)
+
+
+def test_a_discarded_call_leaves_the_message_and_its_text_joins() -> None:
+    acc = Accumulator()
+    for delta in [
+        OutputDelta(content="Reading. "),
+        OutputDelta(tool_calls=[ToolCallDelta(0, "call_1", "read", '{"pa')]),
+        OutputDelta(content="<broken call>", discarded=[0]),
+        OutputDelta(finish_reason="stop"),
+    ]:
+        acc.add(delta)
+    body = message_body(META, acc, Usage(), None)
+    assert body["content"] == [{"type": "text", "text": "Reading. <broken call>"}]
+
+
 def test_v41_takes_client_effort_names() -> None:
     from mlxserve.chat import PromptRequest, render_text
     from mlxserve.models.scripted import scripted_model

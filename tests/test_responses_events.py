@@ -269,6 +269,10 @@ def test_failure_is_an_error_event_then_response_failed() -> None:
         EVENT_TYPES[event["type"]].model_validate(event)
 
 
+def _without_ids(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in item.items() if k != "id"} for item in output]
+
+
 def test_non_streaming_body_equals_the_streamed_response() -> None:
     deltas = [
         OutputDelta(reasoning="Need "),
@@ -283,13 +287,30 @@ def test_non_streaming_body_equals_the_streamed_response() -> None:
     for delta in deltas:
         acc.add(delta)
     body = response_body(_shell(include_encrypted=True), acc, USAGE, count_tokens=lambda _t: 5)
-
-    def strip(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [{k: v for k, v in item.items() if k != "id"} for item in output]
-
     assert writer.final is not None
-    assert strip(body["output"]) == strip(writer.final["output"])
+    assert _without_ids(body["output"]) == _without_ids(writer.final["output"])
     assert body["usage"] == writer.final["usage"]
+    Response.model_validate(body)
+
+
+def test_non_streaming_items_keep_the_order_of_text_and_calls() -> None:
+    deltas = [
+        OutputDelta(reasoning="Plan."),
+        OutputDelta(content="Checking Paris."),
+        OutputDelta(tool_calls=[_start(0), ToolCallDelta(0, arguments=ARGS)]),
+        OutputDelta(content="And Rome."),
+        OutputDelta(tool_calls=[_start(1), ToolCallDelta(1, arguments='{"city": "Rome"}')]),
+        OutputDelta(content="Done.", finish_reason="tool_calls"),
+    ]
+    _, writer = _run(deltas, finish="tool_calls")
+    acc = Accumulator()
+    for delta in deltas:
+        acc.add(delta)
+    body = response_body(_shell(include_encrypted=True), acc, USAGE, count_tokens=lambda _t: 5)
+    kinds = ["reasoning", "message", "function_call", "message", "function_call", "message"]
+    assert [item["type"] for item in body["output"]] == kinds
+    assert writer.final is not None
+    assert _without_ids(body["output"]) == _without_ids(writer.final["output"])
     Response.model_validate(body)
 
 

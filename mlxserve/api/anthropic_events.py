@@ -175,21 +175,19 @@ def _tool_use_block(call_id: str | None, name: str | None) -> dict[str, Any]:
 def message_body(
     meta: MessageMeta, acc: Accumulator, usage: Usage, stop_sequence: str | None
 ) -> dict[str, Any]:
-    """The non-streaming Messages response."""
+    """The non-streaming Messages response: the blocks a stream of it ends with."""
     content: list[dict[str, Any]] = []
-    reasoning = "".join(acc.reasoning)
-    if reasoning:
-        shown = reasoning if meta.show_thinking else ""
-        content.append(
-            {"type": "thinking", "thinking": shown, "signature": seal_reasoning(reasoning)}
-        )
-    text = acc.text
-    if text.strip() or (text and not acc.calls):
-        content.append({"type": "text", "text": text})
-    for _, call in sorted(acc.calls.items()):
-        block = _tool_use_block(call.id, call.name)
-        block["input"] = json.loads(call.arguments or "{}")
-        content.append(block)
+    for run in acc.in_order():
+        if run.reasoning:
+            shown = run.reasoning if meta.show_thinking else ""
+            signature = seal_reasoning(run.reasoning)
+            content.append({"type": "thinking", "thinking": shown, "signature": signature})
+        elif run.content.strip() or (run.content and not acc.calls):
+            content.append({"type": "text", "text": run.content})
+        for call in run.tool_calls:
+            block = _tool_use_block(call.id, call.name)
+            block["input"] = json.loads(call.arguments or "{}")
+            content.append(block)
     if not content:
         content.append({"type": "text", "text": ""})
     return {

@@ -243,13 +243,19 @@ class Accumulator:
         self.calls: dict[int, _CallAcc] = {}
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
+        # The order output came in: ("reasoning" | "text", piece) or ("call", index).
+        self._order: list[tuple[str, str | int]] = []
 
     def add(self, delta: OutputDelta) -> None:
         if delta.reasoning:
             self.reasoning.append(delta.reasoning)
+            self._order.append(("reasoning", delta.reasoning))
         if delta.content:
             self.content.append(delta.content)
+            self._order.append(("text", delta.content))
         for tc in delta.tool_calls:
+            if tc.index not in self.calls:
+                self._order.append(("call", tc.index))
             acc = self.calls.setdefault(tc.index, _CallAcc())
             acc.id = tc.id or acc.id
             acc.name = tc.name or acc.name
@@ -263,6 +269,30 @@ class Accumulator:
     @property
     def text(self) -> str:
         return "".join(self.content)
+
+    def in_order(self) -> list[OutputDelta]:
+        """The output as it was made, one delta per stretch of reasoning or text and
+        one per whole tool call, as a stream shows it. Calls later discarded are left
+        out, and the text on either side of one joins."""
+        runs: list[OutputDelta] = []
+        for kind, value in self._order:
+            if kind == "call":
+                call = self.calls.get(int(value))
+                if call is not None:
+                    tool_call = ToolCallDelta(int(value), call.id, call.name, call.arguments)
+                    runs.append(OutputDelta(tool_calls=[tool_call]))
+                continue
+            piece = str(value)
+            last = runs[-1] if runs else None
+            if kind == "reasoning" and last is not None and last.reasoning:
+                last.reasoning += piece
+            elif kind == "text" and last is not None and last.content:
+                last.content += piece
+            elif kind == "reasoning":
+                runs.append(OutputDelta(reasoning=piece))
+            else:
+                runs.append(OutputDelta(content=piece))
+        return runs
 
     def message(self) -> dict[str, Any]:
         calls = [

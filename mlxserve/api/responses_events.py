@@ -300,28 +300,17 @@ class ResponseEvents:
         return events
 
 
-def whole_delta(acc: Accumulator) -> OutputDelta:
-    """A whole non-streamed output as one delta."""
-    calls: list[ToolCallDelta] = []
-    for index, call in sorted(acc.calls.items()):
-        calls.append(ToolCallDelta(index, call.id, call.name, call.arguments))
-    return OutputDelta(
-        reasoning="".join(acc.reasoning),
-        content=acc.text,
-        tool_calls=calls,
-        finish_reason=acc.finish_reason,
-    )
-
-
 def response_body(
     shell: ResponseShell,
     acc: Accumulator,
     usage: Usage,
     count_tokens: Callable[[str], int] | None = None,
 ) -> dict[str, Any]:
-    """The non-streaming response: the event machine fed the whole output at once."""
+    """The non-streaming response: the event machine fed the whole output, in the
+    order it was made, so its items are the ones a stream ends with."""
     writer = ResponseEvents(shell)
-    writer.delta(whole_delta(acc))
+    for run in acc.in_order():
+        writer.delta(run)
     reasoning = writer.reasoning_text
     tokens = count_tokens(reasoning) if count_tokens is not None and reasoning else 0
     writer.finish(acc.finish_reason, usage, tokens)
