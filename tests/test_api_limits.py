@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 from api_fixtures import ServerThread, assert_error_shape, serve_args
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.generation import Sampling
 from mlxserve.api.state import DEFAULT_CONTEXT_LIMIT, ServerState, model_context_length
 from mlxserve.config import ServerConfig
 from mlxserve.models.loaded import LoadedModel
@@ -98,15 +100,33 @@ def test_context_limit_always_exists(caplog: pytest.LogCaptureFixture) -> None:
 def test_max_tokens_budget_and_clamp() -> None:
     state = _state()
     model = _model({"max_position_embeddings": 100})
-    assert state.max_tokens(model, None, 10) == 90
-    assert state.max_tokens(model, 90, 10) == 90
+    assert state.max_tokens(model, Sampling(), 10) == 90
+    assert state.max_tokens(model, Sampling(max_tokens=90), 10) == 90
     with pytest.raises(APIError) as e:
-        state.max_tokens(model, 91, 10)
+        state.max_tokens(model, Sampling(max_tokens=91), 10)
     assert e.value.status == 400 and e.value.code == "context_length_exceeded"
-    assert state.max_tokens(model, 128000, 10, clamp=True) == 90
+    assert e.value.param == "max_tokens"
+    clamped = Sampling(max_tokens=128000, clamp_max_tokens=True)
+    assert state.max_tokens(model, clamped, 10) == 90
     with pytest.raises(APIError) as e:
-        state.max_tokens(model, 5, 100, clamp=True)
-    assert e.value.code == "context_length_exceeded"
+        state.max_tokens(model, Sampling(max_tokens=5, clamp_max_tokens=True), 100)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
+
+
+def test_an_overflow_names_the_routes_own_fields() -> None:
+    """Completions send a `prompt`, Responses an `input` and a `max_output_tokens`."""
+    state = _state()
+    model = _model({"max_position_embeddings": 100})
+    with pytest.raises(APIError) as e:
+        state.max_tokens(model, Sampling(prompt_param="prompt"), 100)
+    assert e.value.param == "prompt"
+    responses = Sampling(max_tokens=95, prompt_param="input", max_tokens_param="max_output_tokens")
+    with pytest.raises(APIError) as e:
+        state.max_tokens(model, responses, 10)
+    assert e.value.param == "max_output_tokens" and "max_output_tokens (95)" in e.value.message
+    with pytest.raises(APIError) as e:
+        state.max_tokens(model, replace(responses, max_tokens=0), 10)
+    assert e.value.param == "max_output_tokens"
 
 
 def test_model_names(caplog: pytest.LogCaptureFixture) -> None:

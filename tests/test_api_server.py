@@ -164,6 +164,10 @@ def test_sampling_fields_accepted(client: openai.OpenAI) -> None:
 def test_models_health_cache_metrics(server: ServerThread, client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("org/no-such-model")
+    assert missing.value.code == "model_not_found"
     with httpx.Client(base_url=server.url, timeout=10) as http:
         assert http.get("/health").json() == {"status": "ok"}
         stats = http.get("/v1/cache/stats")

@@ -147,11 +147,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         check_api_key(request, state.config.api_key)
         return await count_tokens(state, request)
 
-    @app.get("/v1/models")
-    async def _models(request: Request) -> dict[str, Any]:
-        check_api_key(request, state.config.api_key)
+    def model_cards() -> dict[str, dict[str, Any]]:
         limit = state.context_limit(state.engine.model) if state.engine.ready else None
-        cards: list[dict[str, Any]] = []
+        cards: dict[str, dict[str, Any]] = {}
         for name in state.served_names:
             card: dict[str, Any] = {
                 "id": name,
@@ -161,8 +159,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             }
             if limit is not None:
                 card["max_model_len"] = limit
-            cards.append(card)
-        return {"object": "list", "data": cards}
+            cards[name] = card
+        return cards
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> dict[str, Any]:
+        check_api_key(request, state.config.api_key)
+        return {"object": "list", "data": list(model_cards().values())}
+
+    # Served names may hold slashes (`org/model`), as hub ids do.
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(request: Request, model_id: str) -> dict[str, Any]:
+        check_api_key(request, state.config.api_key)
+        card = model_cards().get(model_id)
+        if card is None:
+            message = f"The model '{model_id}' does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
+        return card
 
     @app.get("/health")
     async def _health() -> JSONResponse:

@@ -23,6 +23,9 @@ class Sampling:
     # Anthropic clients ask for far more than any context (Claude Code: 128000):
     # clamp to what is left instead of answering 400.
     clamp_max_tokens: bool = False
+    # What this route calls the prompt and the budget, for the 400 that names them.
+    prompt_param: str = "messages"
+    max_tokens_param: str = "max_tokens"
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None

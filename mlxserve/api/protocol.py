@@ -284,6 +284,7 @@ class CompletionRequest(_SamplingFields):
             self.sampling(self.max_tokens),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
+            prompt_param="prompt",
         )
 
     def single_prompt(self) -> str | list[int]:

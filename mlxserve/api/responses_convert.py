@@ -437,7 +437,11 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
         messages=messages, tools=tools, reasoning_effort=effort, chat_template_kwargs=kwargs
     )
     sampling = Sampling(
-        max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p
+        max_tokens=req.max_output_tokens,
+        prompt_param="input",
+        max_tokens_param="max_output_tokens",
+        temperature=req.temperature,
+        top_p=req.top_p,
     )
     generation = ChatGeneration(
         prompt=prompt,

@@ -37,7 +37,8 @@ from mlxserve.models.loaded import LoadedModel
 
 Keep = Callable[[Mapping[str, Any]], None]
 # The shared checks name chat-completions fields; a Responses client wrote these.
-_PARAMS = {"max_tokens": "max_output_tokens", "messages": "input"}
+# Rendering names the chat messages the input became; the client sent `input`.
+_PARAMS = {"messages": "input"}
 
 
 def _frame(event: Event) -> bytes:

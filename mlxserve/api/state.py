@@ -187,34 +187,33 @@ class ServerState:
             return value
         return cap
 
-    def max_tokens(
-        self, model: LoadedModel, requested: int | None, prompt_len: int, clamp: bool = False
-    ) -> int:
+    def max_tokens(self, model: LoadedModel, sampling: Sampling, prompt_len: int) -> int:
         """The request's token budget; 400 when the prompt plus it exceeds the context.
 
-        With `clamp` (the Anthropic route) a budget past the context is cut
+        With `clamp_max_tokens` (the Anthropic route) a budget past the context is cut
         to what fits instead; a prompt that alone does not fit is a 400 anyway.
         """
         limit = self.context_limit(model)
+        requested, budget_param = sampling.max_tokens, sampling.max_tokens_param
         if prompt_len >= limit:
             raise APIError(
                 400,
                 f"the prompt has {prompt_len} tokens; this server's context limit is {limit}",
-                param="messages",
+                param=sampling.prompt_param,
                 code="context_length_exceeded",
             )
         if requested is None:
             return min(DEFAULT_MAX_TOKENS, limit - prompt_len)
         if requested < 1:
-            raise APIError(400, "max_tokens must be at least 1", param="max_tokens")
-        if prompt_len + requested > limit and clamp:
+            raise APIError(400, f"{budget_param} must be at least 1", param=budget_param)
+        if prompt_len + requested > limit and sampling.clamp_max_tokens:
             return limit - prompt_len
         if prompt_len + requested > limit:
             raise APIError(
                 400,
-                f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds this "
+                f"prompt ({prompt_len} tokens) + {budget_param} ({requested}) exceeds this "
                 f"server's context limit of {limit} tokens",
-                param="max_tokens",
+                param=budget_param,
                 code="context_length_exceeded",
             )
         return requested
@@ -223,9 +222,7 @@ class ServerState:
         self, model: LoadedModel, sampling: Sampling, prompt_len: int
     ) -> SamplingParams:
         """Engine sampling settings for a request; 400 for values the model cannot take."""
-        max_tokens = self.max_tokens(
-            model, sampling.max_tokens, prompt_len, clamp=sampling.clamp_max_tokens
-        )
+        max_tokens = self.max_tokens(model, sampling, prompt_len)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
