@@ -182,8 +182,9 @@ def test_stored_chain_get_and_delete(served: str) -> None:
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as gone:
         client.responses.create(model=MODEL, previous_response_id=first.id, input="Again?")
+    assert gone.value.code == "previous_response_not_found"
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +255,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], int, str | None]] = [
     (
         "unknown previous_response_id",
         {"input": "Hi", "previous_response_id": "resp_nope"},
-        404,
+        400,
         "previous_response_id",
     ),
     (

@@ -326,8 +326,12 @@ def test_store_is_a_bounded_lru() -> None:
     store.put(_body(3), ())
     assert len(store) == 2
     with pytest.raises(APIError) as info:
-        store.get("resp_2", "previous_response_id")
-    assert info.value.status == 404 and info.value.param == "previous_response_id"
+        store.get("resp_2")
+    assert info.value.status == 404 and info.value.code == "response_not_found"
+    with pytest.raises(APIError) as info:
+        store.previous("resp_2")
+    assert info.value.status == 400 and info.value.param == "previous_response_id"
+    assert info.value.code == "previous_response_not_found"
     store.delete("resp_1")
     with pytest.raises(APIError):
         store.delete("resp_1")

@@ -117,7 +117,7 @@ class ResponsesAPI:
         req, model = await accept(state, request, ResponsesRequest)
         history: tuple[Mapping[str, Any], ...] = ()
         if req.previous_response_id is not None:
-            history = self.store.get(req.previous_response_id, "previous_response_id").items
+            history = self.store.previous(req.previous_response_id).items
         turn = to_turn(req, history)
         meta = ResponseMeta(
             id=f"resp_{uuid.uuid4().hex}",

@@ -52,14 +52,32 @@ class ResponseStore:
                 self._entries.popitem(last=False)
         return True
 
-    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+    def get(self, response_id: str) -> StoredResponse:
         """The stored response (now the most recently used); 404 if unknown or evicted."""
+        entry = self.find(response_id)
+        if entry is None:
+            raise not_found(response_id)
+        return entry
+
+    def previous(self, response_id: str) -> StoredResponse:
+        """The response a request continues; 400 if unknown or evicted, as OpenAI answers
+        (clients take that 400 as their cue to resend the whole conversation)."""
+        entry = self.find(response_id)
+        if entry is None:
+            raise APIError(
+                400,
+                f"Previous response with id {response_id!r} not found (responses are kept "
+                f"in memory, the {self.capacity} most recent only, and only when stored)",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        return entry
+
+    def find(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             entry = self._entries.get(response_id)
             if entry is not None:
                 self._entries.move_to_end(response_id)
-        if entry is None:
-            raise not_found(response_id, param)
         return entry
 
     def delete(self, response_id: str) -> None:
@@ -68,11 +86,10 @@ class ResponseStore:
                 raise not_found(response_id)
 
 
-def not_found(response_id: str, param: str | None = None) -> APIError:
+def not_found(response_id: str) -> APIError:
     return APIError(
         404,
         f"no response found with id {response_id!r} (responses are kept in memory, "
         "the most recent ones only, and only when stored)",
-        param=param,
         code="response_not_found",
     )
