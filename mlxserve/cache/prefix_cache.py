@@ -24,7 +24,6 @@ lookup is one walk over the prompt (C-speed `bytes.startswith` per edge) and a
 from __future__ import annotations
 
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -38,11 +37,9 @@ from mlxserve.cache.snapshot import (
     tracked_offset,
     trim_cache,
 )
+from mlxserve.cache.trie import TOKEN_BYTES, Node, Trie, pack
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "PrefixHit"]
-
-_TOKEN = 4  # bytes per token id in a packed key
-assert array("i").itemsize == _TOKEN
 
 
 @dataclass(frozen=True)
@@ -77,145 +74,6 @@ class _Entry:
     trimmable: bool = False
 
 
-class _Node:
-    """A trie node; `label` is the packed key bytes on the edge from its parent."""
-
-    __slots__ = ("children", "entry", "label", "parent")
-
-    def __init__(self, label: bytes, parent: _Node | None) -> None:
-        self.label = label
-        self.parent = parent
-        self.children: dict[bytes, _Node] = {}
-        self.entry: _Entry | None = None
-
-
-def _pack(ids: Sequence[int]) -> bytes:
-    try:
-        return array("i", ids).tobytes()
-    except OverflowError as e:
-        raise ValueError("token ids must fit in a signed 32-bit integer") from e
-
-
-def _common_bytes(label: bytes, key: bytes, pos: int) -> int:
-    """Bytes (whole tokens) that `label` shares with `key[pos:]`; the first token matches."""
-    most = min(len(label), len(key) - pos) // _TOKEN
-    view = memoryview(label)
-    if key.startswith(view[: most * _TOKEN], pos):
-        return most * _TOKEN
-    lo, hi = 1, most - 1  # lo tokens match; more than hi do not
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if key.startswith(view[: mid * _TOKEN], pos):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo * _TOKEN
-
-
-class _Trie:
-    """Compressed trie over packed keys. Nodes holding entries keep their identity."""
-
-    def __init__(self) -> None:
-        self.root = _Node(b"", None)
-
-    def longest_strict_prefix(self, key: bytes) -> _Node | None:
-        """The deepest node with an entry whose key is a strict prefix of `key`."""
-        node, pos, best = self.root, 0, None
-        limit = len(key) - _TOKEN  # a strict prefix leaves at least one token
-        while pos < limit:
-            child = node.children.get(key[pos : pos + _TOKEN])
-            if child is None or pos + len(child.label) > limit:
-                break
-            if not key.startswith(child.label, pos):
-                break
-            node, pos = child, pos + len(child.label)
-            if node.entry is not None:
-                best = node
-        return best
-
-    def shared_bytes(self, key: bytes) -> int:
-        """How many leading bytes of `key` lie on the trie (shared with some stored key)."""
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + _TOKEN])
-            if child is None:
-                break
-            common = _common_bytes(child.label, key, pos)
-            pos += common
-            if common < len(child.label):
-                break
-            node = child
-        return pos
-
-    def trimmable_node_below(self, key: bytes) -> _Node | None:
-        """A node holding a trimmable entry whose key starts with `key`."""
-        node, pos = self.root, 0
-        while pos < len(key):
-            child = node.children.get(key[pos : pos + _TOKEN])
-            if child is None:
-                return None
-            common = _common_bytes(child.label, key, pos)
-            if common < len(child.label) and pos + common < len(key):
-                return None
-            node, pos = child, pos + len(child.label)
-        stack = [node]
-        while stack:
-            current = stack.pop()
-            if current.entry is not None and current.entry.trimmable:
-                return current
-            stack.extend(current.children.values())
-        return None
-
-    def node_for(self, key: bytes) -> tuple[_Node, list[_Node]]:
-        """Find or make the node for `key`; also the entry nodes on strict prefixes."""
-        node, pos = self.root, 0
-        prefixes: list[_Node] = []
-        while pos < len(key):
-            head = key[pos : pos + _TOKEN]
-            child = node.children.get(head)
-            if child is None:
-                leaf = _Node(key[pos:], node)
-                node.children[head] = leaf
-                return leaf, prefixes
-            common = _common_bytes(child.label, key, pos)
-            if common < len(child.label):
-                child = self._split(child, common)
-            node, pos = child, pos + common
-            if pos < len(key) and node.entry is not None:
-                prefixes.append(node)
-        return node, prefixes
-
-    @staticmethod
-    def _split(node: _Node, at: int) -> _Node:
-        """Put a new node `at` bytes down `node`'s edge; `node` keeps its identity."""
-        parent = node.parent
-        assert parent is not None
-        mid = _Node(node.label[:at], parent)
-        parent.children[node.label[:_TOKEN]] = mid
-        node.label = node.label[at:]
-        node.parent = mid
-        mid.children[node.label[:_TOKEN]] = node
-        return mid
-
-    def remove(self, node: _Node) -> None:
-        """Drop `node`'s entry and prune nodes that no longer branch or hold one."""
-        node.entry = None
-        while node is not self.root and node.entry is None:
-            parent = node.parent
-            assert parent is not None
-            head = node.label[:_TOKEN]
-            if not node.children:
-                del parent.children[head]
-                node = parent
-                continue
-            if len(node.children) == 1:
-                (only,) = node.children.values()
-                only.label = node.label + only.label
-                only.parent = parent
-                parent.children[head] = only
-            break
-
-
 class PrefixCache:
     """Token-prefix -> cache-snapshot store with an LRU byte and entry budget.
 
@@ -243,8 +101,8 @@ class PrefixCache:
         self._offset = offset
         self._trimmable = trimmable
         self._lock = threading.Lock()
-        self._trie = _Trie()
-        self._lru: OrderedDict[_Node, _Entry] = OrderedDict()
+        self._trie = Trie()
+        self._lru: OrderedDict[Node, _Entry] = OrderedDict()
         self._bytes = 0
         self._hits = self._misses = self._tokens_reused = 0
         self._evictions = self._superseded = self._inserts = self._rejected = 0
@@ -260,7 +118,7 @@ class PrefixCache:
     def peek(self, prompt_ids: Sequence[int]) -> int:
         """The key length `lookup` would reuse (0 for none), without side effects."""
         with self._lock:
-            node = self._trie.longest_strict_prefix(_pack(prompt_ids))
+            node = self._trie.longest_strict_prefix(pack(prompt_ids))
             return 0 if node is None or node.entry is None else node.entry.key_len
 
     def shared_prefix_len(self, prompt_ids: Sequence[int]) -> int:
@@ -270,7 +128,7 @@ class PrefixCache:
         that shares this prefix (a system prompt, tool definitions) hits it.
         """
         with self._lock:
-            return self._trie.shared_bytes(_pack(prompt_ids)) // _TOKEN
+            return self._trie.shared_bytes(pack(prompt_ids)) // TOKEN_BYTES
 
     def lookup(self, prompt_ids: Sequence[int], take: bool = False) -> PrefixHit | None:
         """The longest reusable prefix of the prompt, as cache objects of the caller's own.
@@ -285,13 +143,13 @@ class PrefixCache:
         leaf, used whole) is handed over and leaves the cache: nothing is copied
         and its bytes are not held twice. Other hits share the snapshot's buffers.
         """
-        key = _pack(prompt_ids)
+        key = pack(prompt_ids)
         with self._lock:
             node = self._trie.longest_strict_prefix(key)
             best = 0 if node is None or node.entry is None else node.entry.key_len
-            usable = min(self._trie.shared_bytes(key) // _TOKEN, len(prompt_ids) - 1)
+            usable = min(self._trie.shared_bytes(key) // TOKEN_BYTES, len(prompt_ids) - 1)
             if usable > best:
-                node = self._trie.trimmable_node_below(key[: usable * _TOKEN]) or node
+                node = self._trie.trimmable_node_below(key[: usable * TOKEN_BYTES]) or node
             if node is None or node.entry is None:
                 self._misses += 1
                 return None
@@ -335,7 +193,7 @@ class PrefixCache:
             trimmable = False
         if size < 0:
             raise ValueError("nbytes must be >= 0")
-        key = _pack(key_ids)
+        key = pack(key_ids)
         with self._lock:
             if not key or size > self.max_bytes or self.max_entries == 0:
                 self._rejected += 1
@@ -374,7 +232,7 @@ class PrefixCache:
                 self._evictions += 1
             return before - self._bytes
 
-    def _drop(self, node: _Node) -> None:
+    def _drop(self, node: Node) -> None:
         entry = self._lru.pop(node)
         self._bytes -= entry.nbytes
         self._trie.remove(node)
@@ -382,7 +240,7 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every entry (the hit/miss/eviction counters are kept)."""
         with self._lock:
-            self._trie = _Trie()
+            self._trie = Trie()
             self._lru.clear()
             self._bytes = 0
 

@@ -1,0 +1,158 @@
+"""A compressed trie over token-id keys, packed as int32 bytes on its edges.
+
+Shared by the prefix cache (RAM) and its disk tier's index. A lookup is one
+walk over the prompt (C-speed `bytes.startswith` per edge) and a 30k-token key
+costs 120 KB, shared with every key it has a common prefix with. Nodes hold an
+opaque `entry`; a node that holds one keeps its identity while the trie is
+split and pruned around it.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["TOKEN_BYTES", "Node", "Trie", "pack"]
+
+TOKEN_BYTES = 4  # bytes per token id in a packed key
+assert array("i").itemsize == TOKEN_BYTES
+
+
+class Node:
+    """A trie node; `label` is the packed key bytes on the edge from its parent."""
+
+    __slots__ = ("children", "entry", "label", "parent")
+
+    def __init__(self, label: bytes, parent: Node | None) -> None:
+        self.label = label
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.entry: Any = None
+
+
+def pack(ids: Sequence[int]) -> bytes:
+    try:
+        return array("i", ids).tobytes()
+    except OverflowError as e:
+        raise ValueError("token ids must fit in a signed 32-bit integer") from e
+
+
+def _common_bytes(label: bytes, key: bytes, pos: int) -> int:
+    """Bytes (whole tokens) that `label` shares with `key[pos:]`; the first token matches."""
+    most = min(len(label), len(key) - pos) // TOKEN_BYTES
+    view = memoryview(label)
+    if key.startswith(view[: most * TOKEN_BYTES], pos):
+        return most * TOKEN_BYTES
+    lo, hi = 1, most - 1  # lo tokens match; more than hi do not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if key.startswith(view[: mid * TOKEN_BYTES], pos):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * TOKEN_BYTES
+
+
+class Trie:
+    """Compressed trie over packed keys. Nodes holding entries keep their identity."""
+
+    def __init__(self) -> None:
+        self.root = Node(b"", None)
+
+    def longest_strict_prefix(self, key: bytes) -> Node | None:
+        """The deepest node with an entry whose key is a strict prefix of `key`."""
+        node, pos, best = self.root, 0, None
+        limit = len(key) - TOKEN_BYTES  # a strict prefix leaves at least one token
+        while pos < limit:
+            child = node.children.get(key[pos : pos + TOKEN_BYTES])
+            if child is None or pos + len(child.label) > limit:
+                break
+            if not key.startswith(child.label, pos):
+                break
+            node, pos = child, pos + len(child.label)
+            if node.entry is not None:
+                best = node
+        return best
+
+    def shared_bytes(self, key: bytes) -> int:
+        """How many leading bytes of `key` lie on the trie (shared with some stored key)."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + TOKEN_BYTES])
+            if child is None:
+                break
+            common = _common_bytes(child.label, key, pos)
+            pos += common
+            if common < len(child.label):
+                break
+            node = child
+        return pos
+
+    def trimmable_node_below(self, key: bytes) -> Node | None:
+        """A node holding a trimmable entry whose key starts with `key`."""
+        node, pos = self.root, 0
+        while pos < len(key):
+            child = node.children.get(key[pos : pos + TOKEN_BYTES])
+            if child is None:
+                return None
+            common = _common_bytes(child.label, key, pos)
+            if common < len(child.label) and pos + common < len(key):
+                return None
+            node, pos = child, pos + len(child.label)
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            if current.entry is not None and current.entry.trimmable:
+                return current
+            stack.extend(current.children.values())
+        return None
+
+    def node_for(self, key: bytes) -> tuple[Node, list[Node]]:
+        """Find or make the node for `key`; also the entry nodes on strict prefixes."""
+        node, pos = self.root, 0
+        prefixes: list[Node] = []
+        while pos < len(key):
+            head = key[pos : pos + TOKEN_BYTES]
+            child = node.children.get(head)
+            if child is None:
+                leaf = Node(key[pos:], node)
+                node.children[head] = leaf
+                return leaf, prefixes
+            common = _common_bytes(child.label, key, pos)
+            if common < len(child.label):
+                child = self._split(child, common)
+            node, pos = child, pos + common
+            if pos < len(key) and node.entry is not None:
+                prefixes.append(node)
+        return node, prefixes
+
+    @staticmethod
+    def _split(node: Node, at: int) -> Node:
+        """Put a new node `at` bytes down `node`'s edge; `node` keeps its identity."""
+        parent = node.parent
+        assert parent is not None
+        mid = Node(node.label[:at], parent)
+        parent.children[node.label[:TOKEN_BYTES]] = mid
+        node.label = node.label[at:]
+        node.parent = mid
+        mid.children[node.label[:TOKEN_BYTES]] = node
+        return mid
+
+    def remove(self, node: Node) -> None:
+        """Drop `node`'s entry and prune nodes that no longer branch or hold one."""
+        node.entry = None
+        while node is not self.root and node.entry is None:
+            parent = node.parent
+            assert parent is not None
+            head = node.label[:TOKEN_BYTES]
+            if not node.children:
+                del parent.children[head]
+                node = parent
+                continue
+            if len(node.children) == 1:
+                (only,) = node.children.values()
+                only.label = node.label + only.label
+                only.parent = parent
+                parent.children[head] = only
+            break
