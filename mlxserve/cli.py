@@ -77,6 +77,27 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-cache-entries", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument(
+        "--prefix-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep prefix-cache entries on disk here too, across restarts (default: off)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-bytes",
+        type=int,
+        default=64 * 1024**3,
+        metavar="B",
+        help="byte budget of the disk tier, LRU (default: 64 GiB)",
+    )
+    p.add_argument(
+        "--prefix-cache-disk-every",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="write an entry again once it has grown by N tokens (it is also written "
+        "when created, before RAM evicts it, and at shutdown)",
+    )
+    p.add_argument(
         "--kv-memory-bytes",
         type=int,
         default=None,

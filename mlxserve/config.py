@@ -31,6 +31,11 @@ class EngineConfig:
     prefix_cache: bool = True
     prefix_cache_bytes: int | None = None
     prefix_cache_entries: int = 64
+    # The prefix cache's disk tier (None: off), its byte budget, and how many
+    # tokens an entry grows by before it is written again.
+    prefix_cache_dir: str | None = None
+    prefix_cache_disk_bytes: int = 64 * 1024**3
+    prefix_cache_disk_every: int = 4096
     # One byte budget for running caches, prefix-cache hit copies and the prefix
     # cache; None derives it from the device at load (see engine/memory.py).
     kv_memory_bytes: int | None = None
@@ -64,6 +69,10 @@ class EngineConfig:
             raise ValueError("prefix_cache_bytes must be >= 0")
         if self.prefix_cache_entries < 0:
             raise ValueError("prefix_cache_entries must be >= 0")
+        if self.prefix_cache_disk_bytes < 0:
+            raise ValueError("prefix_cache_disk_bytes must be >= 0")
+        if self.prefix_cache_disk_every < 1:
+            raise ValueError("prefix_cache_disk_every must be at least 1")
 
     @property
     def prefix_cache_budget(self) -> int:

@@ -200,6 +200,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         stats = state.engine.stats()
         cache = dict(stats.get("prefix_cache") or {})
         cache["enabled"] = bool(stats.get("prefix_cache"))
+        cache["disk"] = stats.get("prefix_cache_disk")
         return cache
 
     @app.get("/metrics")

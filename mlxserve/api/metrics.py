@@ -68,6 +68,37 @@ class _EngineCollector(Collector):
             "Share of prefix-cache lookups that reused a cached prefix (since start).",
             ratio,
         )
+        yield from _disk_metrics(stats.get("prefix_cache_disk") or {})
+
+
+_DISK_COUNTERS = {
+    "hits": "Prefix-cache entries restored from disk.",
+    "misses": "Disk lookups that restored nothing (not found, unusable or no room).",
+    "restored_tokens": "Prompt tokens restored from disk.",
+    "restore_s": "Seconds spent restoring entries from disk (read, check, arrays).",
+    "writes": "Entries written to disk.",
+    "written_bytes": "Bytes written to disk.",
+    "dropped_writes": "Writes dropped (disk full or failing, or the writer's backlog full).",
+    "rejected_files": "Entry files removed as truncated, corrupt or another model's.",
+    "evictions": "Disk entries removed to fit the disk byte budget.",
+}
+_DISK_GAUGES = {
+    "entries": "Prefix-cache entries on disk.",
+    "bytes": "Bytes of prefix-cache entries on disk.",
+    "write_backlog": "Entries waiting for the disk writer.",
+    "write_backlog_bytes": "Snapshot bytes waiting for the disk writer.",
+    "last_restore_s": "Seconds the latest restore from disk took.",
+}
+
+
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    if not disk:
+        return
+    p = f"{PREFIX}_prefix_cache_disk"
+    for key, text in _DISK_COUNTERS.items():
+        yield CounterMetricFamily(f"{p}_{key}", text, value=_num(disk, key))
+    for key, text in _DISK_GAUGES.items():
+        yield _gauge(f"{p}_{key}", text, _num(disk, key))
 
 
 class Metrics:

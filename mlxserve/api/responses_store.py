@@ -54,7 +54,7 @@ class ResponseStore:
 
     def get(self, response_id: str) -> StoredResponse:
         """The stored response (now the most recently used); 404 if unknown or evicted."""
-        entry = self.find(response_id)
+        entry = self._find(response_id)
         if entry is None:
             raise not_found(response_id)
         return entry
@@ -62,7 +62,7 @@ class ResponseStore:
     def previous(self, response_id: str) -> StoredResponse:
         """The response a request continues; 400 if unknown or evicted, as OpenAI answers
         (clients take that 400 as their cue to resend the whole conversation)."""
-        entry = self.find(response_id)
+        entry = self._find(response_id)
         if entry is None:
             raise APIError(
                 400,
@@ -73,7 +73,7 @@ class ResponseStore:
             )
         return entry
 
-    def find(self, response_id: str) -> StoredResponse | None:
+    def _find(self, response_id: str) -> StoredResponse | None:
         with self._lock:
             entry = self._entries.get(response_id)
             if entry is not None:

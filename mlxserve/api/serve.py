@@ -31,6 +31,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache=not args.no_prefix_cache,
         prefix_cache_bytes=args.prefix_cache_bytes,
         prefix_cache_entries=args.prefix_cache_entries,
+        prefix_cache_dir=args.prefix_cache_dir,
+        prefix_cache_disk_bytes=args.prefix_cache_disk_bytes,
+        prefix_cache_disk_every=args.prefix_cache_disk_every,
         kv_memory_bytes=args.kv_memory_bytes,
         request_timeout_s=args.request_timeout,
     )

@@ -24,7 +24,15 @@ import mlx_lm.models.cache as lm_cache
 import mlx_lm.models.deepseek_v41 as lm_v41
 import mlx_vlm.models.cache as vlm_cache
 
-__all__ = ["Kind", "LayerParts", "UnsupportedCacheError", "build_layer", "kind_of", "layer_parts"]
+__all__ = [
+    "Kind",
+    "LayerParts",
+    "UnsupportedCacheError",
+    "build_layer",
+    "kind_of",
+    "layer_parts",
+    "layout_trimmable",
+]
 
 
 class UnsupportedCacheError(TypeError):
@@ -431,6 +439,23 @@ def _registry() -> dict[type, Kind]:
 @functools.cache
 def _by_tag() -> dict[str, Kind]:
     return {kind.tag: kind for kind in _registry().values()}
+
+
+_TRIMMABLE_TAGS = frozenset(
+    {"mlx_lm.KVCache", "mlx_vlm.KVCache", "mlx_lm.QuantizedKVCache", "mlx_vlm.QuantizedKVCache"}
+)
+
+
+def layout_trimmable(layout: list[dict[str, Any]]) -> bool:
+    """`is_trimmable` for a stored layout (`codec.py`): plain or quantized KV only."""
+
+    def trimmable(node: dict[str, Any]) -> bool:
+        children = node.get("children") or []
+        if children:
+            return all(trimmable(child) for child in children)
+        return node.get("tag") in _TRIMMABLE_TAGS
+
+    return bool(layout) and all(trimmable(node) for node in layout)
 
 
 def kind_of(cache: Any) -> Kind:

@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxserve.cache.snapshot import (
     UnsupportedCacheError,
@@ -37,9 +37,16 @@ from mlxserve.cache.snapshot import (
     tracked_offset,
     trim_cache,
 )
-from mlxserve.cache.trie import TOKEN_BYTES, Node, Trie, pack
+from mlxserve.cache.trie import TOKEN_BYTES, Node, Trie, pack, unpack
+
+if TYPE_CHECKING:
+    from mlxserve.cache.disk_tier import DiskTier
 
 __all__ = ["PrefixCache", "PrefixCacheStats", "PrefixHit"]
+
+# Tokens an entry grows by before it is written to disk again (one agent turn
+# does not rewrite a long conversation's cache; eviction and shutdown write it).
+DEFAULT_DISK_EVERY = 4096
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,12 @@ class _Entry:
     nbytes: int
     key_len: int
     trimmable: bool = False
+    dirty: bool = False  # grown past its last disk write by less than `disk_every`
+
+
+# A RAM entry leaving for the disk tier: its key, snapshot, and the lengths of
+# the shorter entries the RAM cache still holds on its path (they stay on disk).
+_Write = tuple[list[int], list[Any], list[int]]
 
 
 class PrefixCache:
@@ -92,6 +105,8 @@ class PrefixCache:
         copy: Callable[[list[Any]], list[Any]] = share_cache,
         offset: Callable[[list[Any]], int | None] | None = tracked_offset,
         trimmable: Callable[[list[Any]], bool] = is_trimmable,
+        disk: DiskTier | None = None,
+        disk_every: int = DEFAULT_DISK_EVERY,
     ) -> None:
         if max_bytes < 0 or max_entries < 0:
             raise ValueError("max_bytes and max_entries must be >= 0")
@@ -107,6 +122,8 @@ class PrefixCache:
         self._hits = self._misses = self._tokens_reused = 0
         self._evictions = self._superseded = self._inserts = self._rejected = 0
         self._taken = 0
+        self.disk = disk
+        self.disk_every = disk_every
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -116,10 +133,15 @@ class PrefixCache:
         return self._bytes
 
     def peek(self, prompt_ids: Sequence[int]) -> int:
-        """The key length `lookup` would reuse (0 for none), without side effects."""
+        """The key length of the longest strict-prefix entry (0 for none), without side effects."""
         with self._lock:
             node = self._trie.longest_strict_prefix(pack(prompt_ids))
             return 0 if node is None or node.entry is None else node.entry.key_len
+
+    def reusable(self, prompt_ids: Sequence[int]) -> int:
+        """How many prompt tokens `lookup` would reuse (0 for none), without side effects."""
+        with self._lock:
+            return self._trie.best_reuse(pack(prompt_ids))[1]
 
     def shared_prefix_len(self, prompt_ids: Sequence[int]) -> int:
         """Tokens the prompt shares with the longest-matching stored key (no side effects).
@@ -145,16 +167,11 @@ class PrefixCache:
         """
         key = pack(prompt_ids)
         with self._lock:
-            node = self._trie.longest_strict_prefix(key)
-            best = 0 if node is None or node.entry is None else node.entry.key_len
-            usable = min(self._trie.shared_bytes(key) // TOKEN_BYTES, len(prompt_ids) - 1)
-            if usable > best:
-                node = self._trie.trimmable_node_below(key[: usable * TOKEN_BYTES]) or node
+            node, reused = self._trie.best_reuse(key)
             if node is None or node.entry is None:
                 self._misses += 1
                 return None
             chosen = node.entry
-            reused = min(usable, chosen.key_len) if chosen.trimmable else chosen.key_len
             self._hits += 1
             self._tokens_reused += reused
             taken = take and not node.children and reused == chosen.key_len
@@ -207,14 +224,65 @@ class PrefixCache:
                     continue  # a branch point other keys still extend: keep it
                 self._drop(old)
                 self._superseded += 1
-            node.entry = _Entry(snapshot, size, len(key_ids), trimmable)
-            self._lru[node] = node.entry
+            entry = _Entry(snapshot, size, len(key_ids), trimmable)
+            node.entry = entry
+            self._lru[node] = entry
             self._bytes += size
             self._inserts += 1
-            while self._bytes > self.max_bytes or len(self._lru) > self.max_entries:
-                self._drop(next(iter(self._lru)))
-                self._evictions += 1
+            kept = [old.entry.key_len for old in prefixes if old.entry is not None]
+            writes = self._evict_to_fit()
+        if self.disk is not None:
+            if node.entry is entry:
+                self._write_behind(list(key_ids), entry, kept)
+            self._write(writes)
         return True
+
+    def _write_behind(self, key_ids: list[int], entry: _Entry, kept: list[int]) -> None:
+        """Write a new entry to disk when it is new there or has grown by `disk_every`
+        tokens since its last write; otherwise it is written when it leaves RAM."""
+        assert self.disk is not None
+        recorded = [n for n in self.disk.recorded_lengths(key_ids) if n not in kept]
+        last = max(recorded, default=0)
+        if last == len(key_ids):
+            return  # stored already (e.g. it came from the disk)
+        if last and len(key_ids) - last < self.disk_every:
+            entry.dirty = True
+            return
+        self.disk.write(key_ids, entry.snapshot, kept)
+
+    def _write(self, writes: list[_Write]) -> None:
+        if self.disk is not None:
+            for key_ids, snapshot, kept in writes:
+                self.disk.write(key_ids, snapshot, kept)
+
+    def _evict_to_fit(self) -> list[_Write]:
+        """Evict LRU entries past the byte or entry budget (under the lock); dirty
+        ones are returned, to be written to disk before they are gone."""
+        writes: list[_Write] = []
+        while self._lru and (self._bytes > self.max_bytes or len(self._lru) > self.max_entries):
+            node = next(iter(self._lru))
+            if node.entry.dirty and self.disk is not None:
+                writes.append(self._pending_write(node))
+            self._drop(node)
+            self._evictions += 1
+        return writes
+
+    def _pending_write(self, node: Node) -> _Write:
+        key = self._trie.key_of(node)
+        path = self._trie.path_nodes(key)[:-1]
+        kept = [n.entry.key_len for n in path if n.entry is not None]
+        return unpack(key), node.entry.snapshot, kept
+
+    def flush_to_disk(self) -> int:
+        """Write every entry that is not on disk yet (at shutdown); returns how many."""
+        if self.disk is None:
+            return 0
+        with self._lock:
+            writes = [self._pending_write(node) for node, e in self._lru.items() if e.dirty]
+            for entry in self._lru.values():
+                entry.dirty = False
+        self._write(writes)
+        return len(writes)
 
     def set_limit(self, max_bytes: int) -> int:
         """Change the byte budget, evicting LRU entries to fit; returns the bytes freed.
@@ -227,10 +295,10 @@ class PrefixCache:
         with self._lock:
             self.max_bytes = max_bytes
             before = self._bytes
-            while self._bytes > self.max_bytes and self._lru:
-                self._drop(next(iter(self._lru)))
-                self._evictions += 1
-            return before - self._bytes
+            writes = self._evict_to_fit()
+            freed = before - self._bytes
+        self._write(writes)
+        return freed
 
     def _drop(self, node: Node) -> None:
         entry = self._lru.pop(node)

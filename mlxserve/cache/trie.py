@@ -10,10 +10,10 @@ split and pruned around it.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["TOKEN_BYTES", "Node", "Trie", "pack"]
+__all__ = ["TOKEN_BYTES", "Node", "Trie", "pack", "unpack"]
 
 TOKEN_BYTES = 4  # bytes per token id in a packed key
 assert array("i").itemsize == TOKEN_BYTES
@@ -38,6 +38,10 @@ def pack(ids: Sequence[int]) -> bytes:
         raise ValueError("token ids must fit in a signed 32-bit integer") from e
 
 
+def unpack(key: bytes) -> list[int]:
+    return array("i", key).tolist()
+
+
 def _common_bytes(label: bytes, key: bytes, pos: int) -> int:
     """Bytes (whole tokens) that `label` shares with `key[pos:]`; the first token matches."""
     most = min(len(label), len(key) - pos) // TOKEN_BYTES
@@ -60,20 +64,39 @@ class Trie:
     def __init__(self) -> None:
         self.root = Node(b"", None)
 
-    def longest_strict_prefix(self, key: bytes) -> Node | None:
-        """The deepest node with an entry whose key is a strict prefix of `key`."""
-        node, pos, best = self.root, 0, None
-        limit = len(key) - TOKEN_BYTES  # a strict prefix leaves at least one token
-        while pos < limit:
+    def longest_strict_prefix(
+        self, key: bytes, accept: Callable[[Any], bool] | None = None
+    ) -> Node | None:
+        """The deepest node with an entry (one `accept` takes, if given) whose key is a
+        strict prefix of `key`."""
+        best = None
+        for node in self.path_nodes(key[:-TOKEN_BYTES]):
+            if node.entry is not None and (accept is None or accept(node.entry)):
+                best = node
+        return best
+
+    def path_nodes(self, key: bytes) -> list[Node]:
+        """The nodes whose keys are prefixes of `key` (`key` itself included), shallowest first."""
+        node, pos, path = self.root, 0, []
+        while pos < len(key):
             child = node.children.get(key[pos : pos + TOKEN_BYTES])
-            if child is None or pos + len(child.label) > limit:
+            if child is None or pos + len(child.label) > len(key):
                 break
             if not key.startswith(child.label, pos):
                 break
             node, pos = child, pos + len(child.label)
-            if node.entry is not None:
-                best = node
-        return best
+            path.append(node)
+        return path
+
+    @staticmethod
+    def key_of(node: Node) -> bytes:
+        """The packed key a node stands for (its edge labels from the root)."""
+        labels = []
+        current: Node | None = node
+        while current is not None:
+            labels.append(current.label)
+            current = current.parent
+        return b"".join(reversed(labels))
 
     def shared_bytes(self, key: bytes) -> int:
         """How many leading bytes of `key` lie on the trie (shared with some stored key)."""
@@ -89,8 +112,32 @@ class Trie:
             node = child
         return pos
 
-    def trimmable_node_below(self, key: bytes) -> Node | None:
-        """A node holding a trimmable entry whose key starts with `key`."""
+    def best_reuse(
+        self, key: bytes, accept: Callable[[Any], bool] | None = None
+    ) -> tuple[Node | None, int]:
+        """The entry that reuses most of `key`, and how many tokens of it.
+
+        Normally the longest entry whose key is a strict prefix. A trimmable
+        entry (its `trimmable` attribute) that shares more of `key` than that,
+        e.g. a `prompt + output` entry whose reply was re-rendered differently,
+        reuses the shared part instead (trimmed back to it). Entries need
+        `key_len` and `trimmable`; `accept` filters them.
+        """
+        node = self.longest_strict_prefix(key, accept)
+        best = 0 if node is None else node.entry.key_len
+        tokens = len(key) // TOKEN_BYTES
+        usable = min(self.shared_bytes(key) // TOKEN_BYTES, tokens - 1)
+        if usable > best:
+            node = self.trimmable_node_below(key[: usable * TOKEN_BYTES], accept) or node
+        if node is None:
+            return None, 0
+        entry = node.entry
+        return node, min(usable, entry.key_len) if entry.trimmable else entry.key_len
+
+    def trimmable_node_below(
+        self, key: bytes, accept: Callable[[Any], bool] | None = None
+    ) -> Node | None:
+        """A node holding a trimmable entry (that `accept` takes) whose key starts with `key`."""
         node, pos = self.root, 0
         while pos < len(key):
             child = node.children.get(key[pos : pos + TOKEN_BYTES])
@@ -103,7 +150,8 @@ class Trie:
         stack = [node]
         while stack:
             current = stack.pop()
-            if current.entry is not None and current.entry.trimmable:
+            entry = current.entry
+            if entry is not None and entry.trimmable and (accept is None or accept(entry)):
                 return current
             stack.extend(current.children.values())
         return None

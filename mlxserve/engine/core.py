@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 import mlx.core as mx
@@ -34,11 +35,14 @@ from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.loaded import LoadedModel
 
 if TYPE_CHECKING:
+    from mlxserve.cache.disk_tier import DiskTier
     from mlxserve.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5
+# How long a stop waits for the disk tier's writes.
+DISK_CLOSE_TIMEOUT_S = 60.0
 T = TypeVar("T")
 
 
@@ -55,6 +59,10 @@ class _Abort:
 
 class _Stop:
     pass
+
+
+class _Wake:
+    """Nothing to apply: a step may have work (a disk read finished)."""
 
 
 EmitFn = Callable[[list[TokenEvent]], None]
@@ -80,7 +88,7 @@ class EngineCore:
         self._emit = emit
         self._fault = fault
         self._on_death = on_death
-        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="mlxserve-engine", daemon=True)
         self._count_lock = threading.Lock()
         self._pending_adds = 0
@@ -118,7 +126,9 @@ class EngineCore:
     def stop(self, timeout: float = 10.0) -> None:
         self._inbox.put(_Stop())
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            # At shutdown the disk tier writes what RAM holds that it does not.
+            disk = self.prefix_cache.disk if self.prefix_cache is not None else None
+            self._thread.join(timeout + (DISK_CLOSE_TIMEOUT_S if disk is not None else 0))
 
     @property
     def pending_adds(self) -> int:
@@ -154,6 +164,7 @@ class EngineCore:
         try:
             self._loop()
             stopped = True
+            self._close_disk()
         except BaseException as e:  # any end but a stop is reported (below)
             reason = _describe(e)
             logger.critical("the engine thread died: %s", reason, exc_info=True)
@@ -169,7 +180,10 @@ class EngineCore:
             from mlxserve.cache.prefix_cache import PrefixCache
 
             self.prefix_cache = PrefixCache(
-                self.config.prefix_cache_budget, self.config.prefix_cache_entries
+                self.config.prefix_cache_budget,
+                self.config.prefix_cache_entries,
+                disk=self._open_disk(model),
+                disk_every=self.config.prefix_cache_disk_every,
             )
         self.runner = Runner(model, self._fault)
         self.memory = self._measure_memory(model, self.runner)
@@ -180,8 +194,32 @@ class EngineCore:
             self.memory,
             self._fault,
             min_chunk_tokens=model.min_prefill_chunk,
+            wake=lambda: self._inbox.put(_Wake()),
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
+
+    def _open_disk(self, model: LoadedModel) -> DiskTier | None:
+        """The prefix cache's disk tier, if `--prefix-cache-dir` is set."""
+        folder = self.config.prefix_cache_dir
+        if folder is None:
+            return None
+        from mlxserve.cache.disk_tier import DiskTier
+        from mlxserve.cache.signature import model_signature
+
+        signature = model_signature(model.path, model.config, model.make_cache())
+        return DiskTier(Path(folder), self.config.prefix_cache_disk_bytes, signature)
+
+    def _close_disk(self) -> None:
+        """At a stop: write what only RAM holds, then wait for the writer."""
+        cache = self.prefix_cache
+        if cache is None or cache.disk is None:
+            return
+        try:
+            written = cache.flush_to_disk()
+            logger.info("writing %d prefix-cache entries to disk before exit", written)
+            cache.disk.close(DISK_CLOSE_TIMEOUT_S)
+        except Exception:  # the process is stopping; what was written stays usable
+            logger.exception("closing the prefix cache's disk tier failed")
 
     def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget | None:
         """The KV byte budget and this model's measured cache cost (None if it cannot be probed)."""
@@ -212,12 +250,17 @@ class EngineCore:
     def _loop(self) -> None:
         scheduler, runner = self.scheduler, self.runner
         assert scheduler is not None and runner is not None
+        disk = self.prefix_cache.disk if self.prefix_cache is not None else None
         while True:
             # Finished requests are freed by the next run: step once more before idling.
-            idle = not scheduler.running and not scheduler.waiting and not scheduler.has_released
+            idle = not scheduler.has_work
+            if idle and disk is not None:
+                disk.pump(flush=True)  # nothing will compute: hand every staged write over
             if not self._handle_commands(block=idle):
                 return
             self._step(scheduler, runner)
+            if disk is not None:
+                self._guarded(disk.pump, lambda: [])
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> None:
         """One step: schedule -> run -> update; its events go out as the update ends.
@@ -309,7 +352,7 @@ class EngineCore:
                     with self._count_lock:
                         self._pending_adds -= 1
                     scheduler.add(command.request)
-                else:
+                elif isinstance(command, _Abort):
                     scheduler.abort(command.request_id, command.status)
                 try:
                     command = self._inbox.get_nowait()

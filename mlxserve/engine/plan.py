@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxserve.engine.request import Request, RequestStatus
+from mlxserve.engine.restores import DiskRestore
 from mlxserve.engine.sampling import SampledRow
 
 
@@ -73,10 +74,12 @@ class StepPlan:
     # Set when the prefix cache is on: decode rows whose sampled token ends them
     # leave a `prompt + output` snapshot in the same run (trimmable caches only).
     finish_rule: FinishRule | None = None
+    # Prefix-cache entries read from disk: the runner makes a slice of their arrays.
+    restores: list[DiskRestore] = field(default_factory=list)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.prefills or self.decodes)
+        return bool(self.prefills or self.decodes or self.restores)
 
     @property
     def num_tokens(self) -> int:
@@ -119,6 +122,8 @@ class StepResult:
     # (tokens, seconds) of each prefill chunk's forward, and the decode forwards.
     prefill_chunks: list[tuple[int, float]] = field(default_factory=list)
     decode_s: float = 0.0
+    # Restores whose arrays are all made (or that failed): the scheduler stores them.
+    restored: list[DiskRestore] = field(default_factory=list)
     # Finished requests whose caches could not be freed (the engine recovers them).
     unreleased: list[str] = field(default_factory=list)
     release_error: str | None = None

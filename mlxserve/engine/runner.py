@@ -51,6 +51,7 @@ from mlxserve.engine.plan import (
 )
 from mlxserve.engine.prefill_group import prefill_group
 from mlxserve.engine.request import Request
+from mlxserve.engine.restores import DiskRestore
 from mlxserve.engine.sampling import (
     PendingSample,
     SampledRow,
@@ -236,7 +237,21 @@ class Runner:
             if built is not None:
                 self._feed_chunk(built, result)
         settle()
+        self._restore(plan.restores, result)
         return result
+
+    def _restore(self, restores: list[DiskRestore], result: StepResult) -> None:
+        """Make the next slice of each disk restore's arrays; report those done or failed."""
+        for job in restores:
+            try:
+                if job.restore.advance(job.max_bytes):
+                    job.cache = job.restore.caches()
+                    result.restored.append(job)
+            except (ValueError, RuntimeError) as e:  # a bad entry is a miss, not a failure
+                logger.warning("restoring a prefix-cache entry from disk failed: %s", e)
+                job.error = _describe(e)
+                result.restored.append(job)
+                mx.clear_cache()
 
     def _join(self, released: set[str], result: StepResult) -> None:
         """Merge last step's finished prefills into the decode batch (not those released)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ from mlxserve.engine.plan import (
     StepResult,
 )
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
+from mlxserve.engine.restores import Restorer
 from mlxserve.engine.sampling import SampledRow
 
 if TYPE_CHECKING:
@@ -67,6 +69,7 @@ class Scheduler:
         memory: KVBudget | None = None,
         fault: FaultHook | None = None,
         min_chunk_tokens: int = MIN_CHUNK_TOKENS,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         # Paced chunks are never cut shorter, so a long prompt always progresses
@@ -87,6 +90,13 @@ class Scheduler:
         self._outbox: list[TokenEvent] = []
         self.finish_rule = FinishRule(eos_ids, config.max_model_len)
         self.pacer = Pacer(config.max_step_ms)
+        disk = prefix_cache.disk if prefix_cache is not None else None
+        # Requests whose cached prefix is being read back from the disk tier.
+        self.restorer = (
+            Restorer(disk, prefix_cache, wake)
+            if disk is not None and prefix_cache is not None
+            else None
+        )
 
     def take_events(self) -> list[TokenEvent]:
         events, self._outbox = self._outbox, []
@@ -105,18 +115,22 @@ class Scheduler:
         request = self.by_id.get(request_id)
         if request is None or request.status.is_finished:
             return
-        if request in self.waiting:
-            self.waiting.remove(request)
+        self._unqueue(request)
         self._finish(request, status)
 
     def fail(self, request_id: str, message: str) -> None:
         request = self.by_id.get(request_id)
         if request is None or request.status.is_finished:
             return
-        if request in self.waiting:
-            self.waiting.remove(request)
+        self._unqueue(request)
         request.error = message
         self._finish(request, RequestStatus.FINISHED_ERROR)
+
+    def _unqueue(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif self.restorer is not None:
+            self.restorer.remove(request.request_id)
 
     def fail_all(self, message: str) -> list[str]:
         """Fail every request the scheduler knows; returns their ids."""
@@ -143,6 +157,7 @@ class Scheduler:
         if self.prefix_cache is not None:
             plan.finish_rule = self.finish_rule
         self._expire()
+        self._plan_restores(plan)
         self._preempt_for_memory(plan)
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if not plan.completed:
@@ -150,6 +165,12 @@ class Scheduler:
         self._plan_prefills(plan)
         self._fit_prefix_cache([])
         return plan
+
+    def _plan_restores(self, plan: StepPlan) -> None:
+        if self.restorer is not None:
+            plan.restores, missed = self.restorer.plan()
+            for request in reversed(missed):
+                self.waiting.appendleft(request)
 
     def _plan_prefills(self, plan: StepPlan) -> None:
         """Chunks within the token budget and, while others decode or wait, the pacer's time.
@@ -218,7 +239,8 @@ class Scheduler:
         if timeout is None:
             return
         now = time.monotonic()
-        for request in list(self.waiting) + list(self.running):
+        restoring = self.restorer.requests() if self.restorer is not None else []
+        for request in list(self.waiting) + restoring + list(self.running):
             if now - request.arrival_time > timeout:
                 self.counters.timeouts += 1
                 if request.output_ids:
@@ -291,6 +313,9 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
+            if self.restorer is not None and self.restorer.start(head):
+                self.waiting.popleft()  # back at the head once its prefix is in RAM
+                continue
             if not self._fits(head):
                 if self.running:
                     return  # it waits until running requests free memory
@@ -332,6 +357,11 @@ class Scheduler:
         """Apply a step's outputs; one output that cannot be applied fails its request only."""
         self.counters.prefilled_tokens += result.prefill_tokens
         self.pacer.observe(result)
+        if self.restorer is not None:
+            for job in reversed(result.restored):
+                request = self.restorer.finish(job)
+                if request is not None:
+                    self.waiting.appendleft(request)
         for output in result.outputs:
             try:
                 self._apply(output)
@@ -399,6 +429,8 @@ class Scheduler:
         request.status = status
         self._remember(request)
         self.by_id.pop(request.request_id, None)
+        if self.restorer is not None:
+            self.restorer.forget(request.request_id)
         # Always released: a preempted request waits without a cache but keeps its sampler.
         self._released.append(request.request_id)
         if request in self.running:
@@ -449,7 +481,15 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        restoring = len(self.restorer.pending) if self.restorer is not None else 0
+        return len(self.waiting) + restoring
+
+    @property
+    def has_work(self) -> bool:
+        """Whether a step would do anything now (else the engine waits for a command)."""
+        if self.running or self.waiting or self.has_released:
+            return True
+        return self.restorer is not None and self.restorer.has_work
 
     @property
     def num_running(self) -> int:
