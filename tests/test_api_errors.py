@@ -156,10 +156,13 @@ def test_body_size_limit(http: httpx.Client) -> None:
 
 
 def test_completions_errors(http: httpx.Client) -> None:
+    """A bad prompt is named as the completions client wrote it: `prompt`."""
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 10**9]})
     assert_error_shape(r, 400)
+    assert r.json()["error"]["param"] == "prompt"
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": ""})
     assert_error_shape(r, 400)
+    assert r.json()["error"]["param"] == "prompt"
     _serves_normally(http)
 
 

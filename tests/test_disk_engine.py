@@ -1,0 +1,194 @@
+"""The disk tier wired into the engine: greedy parity cold == RAM-warm == disk-warm for
+every family, a restore followed by chunked prefill beside decoding rows, and damaged,
+foreign or half-written files ending as misses with the cold run's tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_helpers import collect, started_engine, tokens_of
+
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import SamplingParams
+from mlxserve.models.generate import greedy_generate
+from mlxserve.models.load import load
+
+HISTORY = 160
+MAX_TOKENS = 6
+
+
+def _ids(seed: int, count: int, vocab: int = 120_000) -> list[int]:
+    return [(seed * 7919 + i * 104_729) % vocab + 100 for i in range(count)]
+
+
+def _config(disk: Path | None, **kw: Any) -> EngineConfig:
+    base: dict[str, Any] = {"max_prefill_tokens": 64, "prefix_cache_bytes": 1 << 30}
+    if disk is not None:
+        base["prefix_cache_dir"] = str(disk)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def _session(path: Path, config: EngineConfig, turns: list[list[int]], extra: int = 0):
+    """Each prompt in turn (with `extra` unrelated requests beside the last);
+    (tokens, cached tokens) per prompt, and the engine's stats."""
+
+    async def main():
+        engine = await started_engine(config, lambda: load(path))
+        try:
+            out = []
+            params = SamplingParams(max_tokens=MAX_TOKENS)
+            for i, prompt in enumerate(turns):
+                others = [
+                    collect(engine.submit(_ids(90 + k, 12), SamplingParams(max_tokens=24)))
+                    for k in range(extra if i == len(turns) - 1 else 0)
+                ]
+                events, *_ = await asyncio.gather(collect(engine.submit(prompt, params)), *others)
+                out.append((tokens_of(events), events[-1].cached_tokens))
+            return out, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def _cold(path: Path, prompt: list[int]) -> list[int]:
+    """The oracle: a plain single-sequence greedy run (no engine, no cache reuse)."""
+    return greedy_generate(load(path), prompt, MAX_TOKENS)
+
+
+@pytest.fixture(params=["llama", "llama_swa", "qwen3", "deepseek_v4", "deepseek_v41"])
+def family_dir(request, model_dir_factory, swa_model_dir) -> Path:
+    if request.param == "llama_swa":
+        return swa_model_dir
+    return model_dir_factory(request.param)
+
+
+def test_disk_warm_gives_the_cold_tokens_for_every_family(family_dir: Path, tmp_path) -> None:
+    """RAM-warm == cold is `test_prefix_engine`'s; here the entry crosses a restart."""
+    first = _ids(1, HISTORY)
+    second = first + _ids(2, 9)
+    disk = tmp_path / "disk"
+    (turn_one,), _ = _session(family_dir, _config(disk), [first])
+    assert turn_one[0] == _cold(family_dir, first)
+    (restored,), stats = _session(family_dir, _config(disk), [second])
+    assert restored[0] == _cold(family_dir, second)
+    # The prompt's snapshot, or a trimmable `prompt + output` one cut back to it.
+    assert restored[1] == HISTORY
+    disk_stats = stats["prefix_cache_disk"]
+    assert disk_stats["hits"] == 1 and disk_stats["restored_tokens"] == HISTORY
+    assert stats["prefix_cache"]["hits"] == 1
+
+
+def test_a_restore_then_a_long_chunked_suffix_beside_decoding_rows(
+    model_dir_factory, tmp_path
+) -> None:
+    """The restored request prefills a long suffix in small chunks while other rows decode."""
+    path = model_dir_factory("deepseek_v4")
+    first = _ids(3, HISTORY)
+    second = first + _ids(4, 150)
+    disk = tmp_path / "disk"
+    _session(path, _config(disk), [first])
+    small = _config(disk, max_prefill_tokens=16, max_num_seqs=4)
+    (restored,), stats = _session(path, small, [second], extra=2)
+    assert restored == (_cold(path, second), HISTORY)
+    assert stats["prefix_cache_disk"]["hits"] == 1
+
+
+def _entry_files(disk: Path) -> list[Path]:
+    return sorted(disk.glob("*/*.safetensors"))
+
+
+def test_a_damaged_entry_is_a_miss_with_cold_tokens(model_dir_factory, tmp_path) -> None:
+    path = model_dir_factory("qwen3")
+    first, second = _ids(5, HISTORY), _ids(5, HISTORY) + _ids(6, 7)
+    disk = tmp_path / "disk"
+    _session(path, _config(disk), [first])
+    for entry in _entry_files(disk):
+        data = bytearray(entry.read_bytes())
+        data[len(data) // 2 + 3] ^= 0x10
+        entry.write_bytes(bytes(data))
+    (got,), stats = _session(path, _config(disk), [second])
+    assert got == (_cold(path, second), 0)
+    assert stats["prefix_cache_disk"]["rejected_files"] >= 1
+    assert stats["prefix_cache_disk"]["hits"] == 0
+
+
+def test_another_models_entries_are_never_used(model_dir_factory, tmp_path) -> None:
+    """Files written for another model (here another seed: same config, other weights)."""
+    from mlxserve.cache.signature import model_signature
+
+    mine, other = model_dir_factory("llama"), model_dir_factory("llama", seed=1)
+    prompt = _ids(7, HISTORY) + _ids(8, 5)
+    disk = tmp_path / "disk"
+    _session(other, _config(disk), [_ids(7, HISTORY)])
+    (theirs,) = disk.iterdir()
+    # Their folder is theirs and stays: our signature names another one.
+    model = load(mine)
+    ours = disk / model_signature(mine, model.config, model.make_cache())[:16]
+    assert ours != theirs
+    # Copied into ours, each of their files is refused and removed: a miss.
+    ours.mkdir()
+    for entry in theirs.iterdir():
+        shutil.copy(entry, ours / entry.name)
+    (got,), stats = _session(mine, _config(disk), [prompt])
+    assert got == (_cold(mine, prompt), 0)
+    assert stats["prefix_cache_disk"]["rejected_files"] == len(list(theirs.iterdir()))
+    assert stats["prefix_cache_disk"]["hits"] == 0 and list(theirs.iterdir())
+
+
+_KILLED_WRITER = textwrap.dedent(
+    """
+    import sys, threading
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+    from mlxserve.cache import copy_cache, disk_file
+    from mlxserve.cache.disk_tier import DiskTier
+
+    def stall(fd):  # the payload is in the temp file; the rename never comes
+        print("writing", flush=True)
+        threading.Event().wait()
+
+    disk_file.os.fsync = stall
+    cache = KVCache()
+    cache.update_and_fetch(mx.ones((1, 1, 5, 4)), mx.ones((1, 1, 5, 4)))
+    tier = DiskTier(sys.argv[1], 1 << 30, sys.argv[2])
+    tier.write(list(range(1, 6)), copy_cache([cache]), ())
+    tier.pump(flush=True)
+    threading.Event().wait()
+    """
+)
+
+
+def test_sigkill_while_an_entry_is_written_leaves_no_entry(model_dir_factory, tmp_path) -> None:
+    from mlxserve.cache.disk_tier import DiskTier
+
+    disk, signature = tmp_path / "disk", "3c" * 32
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, str(disk), signature],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "writing"
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait(timeout=60)
+    folder = disk / signature[:16]
+    assert [p.name for p in folder.iterdir() if p.name.startswith(".tmp-")]
+    tier = DiskTier(disk, 1 << 30, signature)
+    try:
+        assert tier.stats().entries == 0 and not list(folder.iterdir())
+        assert tier.lookup(list(range(1, 9))) is None
+    finally:
+        tier.close()
