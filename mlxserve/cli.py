@@ -203,6 +203,18 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-tokens", type=int, default=8192)
     p.set_defaults(handler="mlxserve.bench.prefix_cache:run")
 
+    p = bsub.add_parser(
+        "disk-cache", help="an 8-turn agent session across a restart, on the disk tier"
+    )
+    p.add_argument("--model", default=None, help="model dir (default: tiny 4-bit --families)")
+    p.add_argument("--families", default="deepseek_v4,qwen3")
+    p.add_argument(
+        "--history-tokens", type=int, default=8192, help="prompt tokens at turn 5 (the restore)"
+    )
+    p.add_argument("--disk-bytes", type=int, default=1024**3, help="the disk tier's budget")
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.disk_cache:run")
+
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)

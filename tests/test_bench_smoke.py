@@ -81,3 +81,16 @@ def test_bench_memory_reports_its_keys(tmp_path: Path, model_dir_factory, capsys
     figures = json.loads(out.read_text())["figures"]
     assert figures["completed"] == 5 and figures["greedy_identical"] == 5
     assert 0 < figures["peak_cache_bytes"] <= figures["budget_bytes"]
+
+
+def test_bench_disk_cache_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    """Short history here; the acceptance run uses 4-bit models and 8k tokens."""
+    out = tmp_path / "disk.json"
+    model = str(model_dir_factory("qwen3"))
+    args = ["bench", "disk-cache", "--model", model, "--history-tokens", "1024"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["hits"] == 7 and figures["hits_after_restart"] == 4
+    for key in ("restored_ttft_over_cold", "restored_ttft_over_ram_hit", "warm_turn_ttft_s"):
+        assert figures[key] > 0
+    assert 0 < figures["disk_bytes"] <= figures["disk_budget_bytes"]
