@@ -192,3 +192,41 @@ def test_sigkill_while_an_entry_is_written_leaves_no_entry(model_dir_factory, tm
         assert tier.lookup(list(range(1, 9))) is None
     finally:
         tier.close()
+
+
+def test_an_unusable_folder_still_serves_cold_tokens(model_dir_factory, tmp_path) -> None:
+    path = model_dir_factory("llama")
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    prompt = _ids(9, 40)
+    (got,), stats = _session(path, _config(blocker), [prompt])
+    assert got == (_cold(path, prompt), 0)
+    assert stats["prefix_cache_disk"]["entries"] == 0
+
+
+def test_a_restore_that_cannot_fit_the_budget_is_a_miss(model_dir_factory, tmp_path) -> None:
+    path = model_dir_factory("llama")
+    first = _ids(10, HISTORY)
+    second = first + _ids(11, 5)
+    disk = tmp_path / "disk"
+    _session(path, _config(disk), [first])
+    entry_bytes = sum(p.stat().st_size for p in _entry_files(disk))
+    tight = _config(disk, prefix_cache_bytes=entry_bytes // 4)
+    (got,), stats = _session(path, tight, [second])
+    assert got == (_cold(path, second), 0)
+    assert stats["prefix_cache_disk"]["hits"] == 0 and stats["prefix_cache_disk"]["misses"] == 1
+
+
+def test_the_signature_tells_quantisations_and_layouts_apart(model_dir_factory) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from mlxserve.cache.signature import model_signature
+
+    path = model_dir_factory("llama")
+    model = load(path)
+    base = model_signature(path, model.config, model.make_cache())
+    assert base == model_signature(path, dict(model.config), model.make_cache())
+    quantized = {**model.config, "quantization": {"group_size": 64, "bits": 4}}
+    assert model_signature(path, quantized, model.make_cache()) != base
+    windowed = [RotatingKVCache(max_size=8) for _ in model.make_cache()]
+    assert model_signature(path, model.config, windowed) != base
