@@ -11,11 +11,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, started_engine, tokens_of
+from engine_helpers import collect, started_engine, tokens_of, wait_until
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
@@ -38,9 +39,15 @@ def _config(disk: Path | None, **kw: Any) -> EngineConfig:
     return EngineConfig(**base)
 
 
-def _session(path: Path, config: EngineConfig, turns: list[list[int]], extra: int = 0):
+def _session(
+    path: Path,
+    config: EngineConfig,
+    turns: list[list[int]],
+    extra: int = 0,
+    until: Callable[[dict[str, Any]], bool] | None = None,
+):
     """Each prompt in turn (with `extra` unrelated requests beside the last);
-    (tokens, cached tokens) per prompt, and the engine's stats."""
+    (tokens, cached tokens) per prompt, and the engine's stats (once `until` holds)."""
 
     async def main():
         engine = await started_engine(config, lambda: load(path))
@@ -54,6 +61,8 @@ def _session(path: Path, config: EngineConfig, turns: list[list[int]], extra: in
                 ]
                 events, *_ = await asyncio.gather(collect(engine.submit(prompt, params)), *others)
                 out.append((tokens_of(events), events[-1].cached_tokens))
+            if until is not None:
+                assert await asyncio.to_thread(wait_until, lambda: until(engine.stats()), 60)
             return out, engine.stats()
         finally:
             await engine.shutdown()
@@ -230,3 +239,25 @@ def test_the_signature_tells_quantisations_and_layouts_apart(model_dir_factory) 
     assert model_signature(path, quantized, model.make_cache()) != base
     windowed = [RotatingKVCache(max_size=8) for _ in model.make_cache()]
     assert model_signature(path, model.config, windowed) != base
+
+
+def test_a_full_disk_drops_writes_and_serves_cold_tokens(
+    model_dir_factory, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from mlxserve.cache import disk_tier
+
+    def full(*_: Any, **__: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    path = model_dir_factory("llama")
+    first, second = _ids(12, HISTORY), _ids(12, HISTORY) + _ids(13, 5)
+    disk = tmp_path / "disk"
+    with monkeypatch.context() as patch:
+        patch.setattr(disk_tier, "write_entry", full)
+        dropped = lambda stats: stats["prefix_cache_disk"]["dropped_writes"] >= 1  # noqa: E731
+        (got,), _ = _session(path, _config(disk), [first], until=dropped)
+    assert got[0] == _cold(path, first) and not _entry_files(disk)
+    (got,), stats = _session(path, _config(disk), [second])
+    assert got == (_cold(path, second), 0) and stats["prefix_cache_disk"]["hits"] == 0

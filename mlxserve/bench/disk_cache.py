@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxserve.bench.prefix_cache import synthetic_tokens
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
@@ -57,10 +58,6 @@ def quantized_tiny(family: str, root: Path) -> Path:
     return out
 
 
-def _tokens(seed: int, count: int, vocab: int) -> list[int]:
-    return [(seed * 7919 + i * 104_729) % (vocab - 200) + 100 for i in range(count)]
-
-
 async def _turn(engine: AsyncEngine, prompt: list[int]) -> tuple[float, list[int], int]:
     """TTFT, the reply's tokens, and the prompt tokens served from cache."""
     params = SamplingParams(max_tokens=REPLY_TOKENS, ignore_eos=True)
@@ -87,7 +84,7 @@ async def _session(path: Path, config: EngineConfig, system_tokens: int) -> dict
     """The 8 turns with a restart after turn 4: per-turn TTFT and cached tokens, prompts."""
     engine = await _started(path, config)
     vocab = engine.model.vocab_size
-    prompt = _tokens(10, system_tokens, vocab)
+    prompt = synthetic_tokens(10, system_tokens, vocab)
     prompts, ttfts, cached = [], [], []
     disk: dict[str, Any] = {}
     try:
@@ -99,7 +96,7 @@ async def _session(path: Path, config: EngineConfig, system_tokens: int) -> dict
             ttft, reply, hit = await _turn(engine, prompt)
             ttfts.append(ttft)
             cached.append(hit)
-            prompt = prompt + reply + _tokens(20 + turn, TOOL_RESULT_TOKENS, vocab)
+            prompt = prompt + reply + synthetic_tokens(20 + turn, TOOL_RESULT_TOKENS, vocab)
         disk = engine.stats()["prefix_cache_disk"] or {}
     finally:
         await engine.shutdown()

@@ -23,7 +23,8 @@ TOOL_RESULT_TOKENS = 200
 REPLY_TOKENS = 32
 
 
-def _tokens(seed: int, count: int, vocab: int) -> list[int]:
+def synthetic_tokens(seed: int, count: int, vocab: int) -> list[int]:
+    """Deterministic token ids spread over the vocabulary (no special tokens)."""
     return [(seed * 7919 + i * 104_729) % (vocab - 200) + 100 for i in range(count)]
 
 
@@ -48,15 +49,16 @@ async def _long_prefix(path: Path, prefix_tokens: int) -> dict[str, Any]:
     engine.start()
     await engine.wait_ready()
     vocab = engine.model.vocab_size
-    prefix = _tokens(1, prefix_tokens, vocab)
+    prefix = synthetic_tokens(1, prefix_tokens, vocab)
     try:
-        cold, reply = await _timed(engine, prefix + _tokens(2, SUFFIX_TOKENS, vocab), 8)
-        follow_up = prefix + _tokens(2, SUFFIX_TOKENS, vocab) + reply + _tokens(3, 64, vocab)
+        first = prefix + synthetic_tokens(2, SUFFIX_TOKENS, vocab)
+        cold, reply = await _timed(engine, first, 8)
+        follow_up = first + reply + synthetic_tokens(3, 64, vocab)
         warm, _ = await _timed(engine, follow_up, 8)
         # A second conversation branches off the shared prefix (the engine snapshots
         # there); a third one then reuses it.
-        await _timed(engine, prefix + _tokens(4, SUFFIX_TOKENS, vocab), 2)
-        shared, _ = await _timed(engine, prefix + _tokens(5, SUFFIX_TOKENS, vocab), 2)
+        await _timed(engine, prefix + synthetic_tokens(4, SUFFIX_TOKENS, vocab), 2)
+        shared, _ = await _timed(engine, prefix + synthetic_tokens(5, SUFFIX_TOKENS, vocab), 2)
     finally:
         await engine.shutdown()
     return {
@@ -74,7 +76,7 @@ async def _session(path: Path) -> dict[str, Any]:
     engine.start()
     await engine.wait_ready()
     vocab = engine.model.vocab_size
-    prompt = _tokens(10, SESSION_SYSTEM_TOKENS, vocab)
+    prompt = synthetic_tokens(10, SESSION_SYSTEM_TOKENS, vocab)
     prefilled, new_tokens, ttfts = [], [], []
     try:
         for turn in range(SESSION_TURNS):
@@ -82,7 +84,7 @@ async def _session(path: Path) -> dict[str, Any]:
             ttft, reply = await _timed(engine, prompt, REPLY_TOKENS)
             prefilled.append(engine.stats()["prefilled_tokens"] - before)
             ttfts.append(ttft)
-            added = reply + _tokens(20 + turn, TOOL_RESULT_TOKENS, vocab)
+            added = reply + synthetic_tokens(20 + turn, TOOL_RESULT_TOKENS, vocab)
             new_tokens.append(len(added))
             prompt = prompt + added
         stats = engine.stats()["prefix_cache"]
