@@ -224,3 +224,51 @@ def test_a_long_prompt_progresses_even_when_no_chunk_fits_the_step() -> None:
     plan = StepPlan()
     scheduler._plan_prefills(plan)
     assert [c.num_tokens for c in plan.prefills] == [MIN_CHUNK_TOKENS]
+
+
+def _hit(request_id: str, prompt_tokens: int, hit: int) -> Request:
+    """A request admitted on a prefix-cache hit of `hit` tokens, nothing fed since."""
+    request = _prefilling(request_id, prompt_tokens, hit)
+    request.cached_tokens = hit
+    return request
+
+
+def test_a_hit_suffix_alone_goes_in_two_forwards_ending_in_the_shortest_chunk() -> None:
+    # Paced alone, these 232 tokens would be twelve 20-token forwards (1 ms a token, 20 ms).
+    request = _hit("warm", 7000 + 232, 7000)
+    scheduler = _paced_scheduler(request, min_chunk_tokens=1)  # qwen3, llama: any length
+    plan = StepPlan()
+    scheduler._plan_prefills(plan)
+    [chunk] = plan.prefills
+    assert (chunk.start, chunk.end, chunk.is_last) == (7000, 7231, False)
+    request.num_computed = chunk.end
+    plan = StepPlan()
+    scheduler._plan_prefills(plan)
+    [last] = plan.prefills
+    assert (last.num_tokens, last.is_last) == (1, True)
+    # A model that cannot be fed fewer tokens ends the prompt in a chunk of its own minimum.
+    request = _hit("v4", 7000 + 232, 7000)
+    plan = StepPlan()
+    _paced_scheduler(request, min_chunk_tokens=17)._plan_prefills(plan)
+    assert [c.end for c in plan.prefills] == [7000 + 232 - 17]
+
+
+def test_a_hit_suffix_is_paced_beside_others_and_left_alone_where_pacing_feeds_it_whole() -> None:
+    # Another prompt prefilling (or a request decoding): the suffix is paced as before.
+    plan = StepPlan()
+    _paced_scheduler(_hit("warm", 7232, 7000), _prefilling("long", 4096, 1000))._plan_prefills(plan)
+    assert [(c.request.request_id, c.num_tokens) for c in plan.prefills] == [("warm", 20)]
+    # A suffix that one paced chunk feeds: one forward, unchanged.
+    plan = StepPlan()
+    _paced_scheduler(_hit("short", 7015, 7000))._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [15]
+    # Over the token budget: paced.
+    plan = StepPlan()
+    _paced_scheduler(_hit("huge", 7000 + 4000, 7000))._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [20]
+    # Once its first chunk is fed, the rest of a hit is paced like any prompt's tail.
+    plan = StepPlan()
+    request = _hit("fed", 7232, 7000)
+    request.num_computed = 7020
+    _paced_scheduler(request)._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [20]

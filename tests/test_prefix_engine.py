@@ -159,3 +159,18 @@ def test_trimmable_cache_keeps_prompt_plus_output_and_trims_back(model_dir_facto
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v4"])
+def test_a_hit_suffix_fed_in_two_forwards_gives_the_cold_output(model_dir_factory, family) -> None:
+    # A step target far below one token's cost paces every other prefill to its
+    # shortest chunks; a warm turn's 48-token suffix, alone, goes in two forwards.
+    path = model_dir_factory(family)
+    oracle = load(path)
+    first = _ids(8, 60)
+    second = first + _ids(9, 48)
+    expected = [greedy_generate(oracle, p, 6) for p in (first, second)]
+    config = EngineConfig(max_prefill_tokens=64, max_step_ms=0.001, prefix_cache_bytes=1 << 30)
+    outputs, stats = _run(path, config, [first, second], 6)
+    assert [tokens for tokens, _ in outputs] == expected
+    assert outputs[1][1] >= len(first)  # the second turn hit the first one's entry

@@ -75,6 +75,8 @@ class Scheduler:
         # Paced chunks are never cut shorter, so a long prompt always progresses
         # (and, where the model says short chunks cost more, never at a loss).
         self.min_chunk_tokens = max(MIN_CHUNK_TOKENS, min_chunk_tokens)
+        # The shortest chunk this model can be fed at all (a hit's suffix ends in one).
+        self.model_min_chunk = max(1, min_chunk_tokens)
         self._fault = fault
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
@@ -178,7 +180,9 @@ class Scheduler:
         Each chunk is its own forward, with a fixed cost of its own: once a chunk
         is planned, the next one is planned only if it fits in the time left.
         Prompts that all fit in the budget, with nobody decoding, are all fed
-        (whole fresh prompts share one forward, see `prefill_group.py`).
+        (whole fresh prompts share one forward, see `prefill_group.py`), and a
+        prefix-cache hit's suffix that prefills alone goes in two forwards (see
+        `_hit_suffix_chunk`).
         """
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)
@@ -198,6 +202,11 @@ class Scheduler:
             on_time = left * FRESH_PROMPT_FACTOR if fresh else left
             if together or pacer.cost_s(whole) <= on_time:
                 left = None
+        if left is not None and not others and prefilling:
+            chunk = self._hit_suffix_chunk(prefilling[0], budget, left)
+            if chunk is not None:
+                plan.prefills.append(chunk)
+                return
         for request in prefilling:
             if plan.prefills and plan.prefills[-1].is_last and left is not None:
                 # A prompt that ends in this step sends its first token only when the
@@ -222,6 +231,31 @@ class Scheduler:
             budget -= chunk.num_tokens
             if left is not None:
                 left -= pacer.cost_s(chunk.num_tokens)
+
+    def _hit_suffix_chunk(self, request: Request, budget: int, left: float) -> PrefillChunk | None:
+        """A prefix-cache hit's suffix, prefilling alone, that pacing would cut into
+        several chunks: all of it but its last few tokens in one chunk (None otherwise).
+
+        The suffix is this request's whole prefill (a turn's new messages), so each
+        paced chunk's fixed cost lands on its own first token, and with nobody
+        running there is no stream to pace for; the token budget still bounds the
+        step a newcomer may wait for. A long prompt's tail stays paced. The prompt
+        then ends in a chunk of the model's shortest length, as mlx-lm's own
+        prefill does: a chunk that ends the prompt runs the last layer and the
+        head over all its positions, one that does not is evaluated only as far
+        as the cache (`Runner._feed_only`). Never more forwards than pacing.
+        """
+        hit = request.cached_tokens
+        if hit == 0 or request.num_computed != hit or request.fill_ids is not None:
+            return None  # not a hit, or its first chunk has been fed
+        remaining = request.prefill_remaining
+        tail = self.model_min_chunk
+        shortest = self.min_chunk_tokens
+        if remaining > budget or remaining - tail < shortest:
+            return None
+        if max(self.pacer.tokens_within(left), shortest) > remaining - shortest:
+            return None  # pacing feeds it in one chunk already
+        return self._next_chunk(request, remaining - tail)
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
