@@ -195,6 +195,7 @@ class EngineCore:
             self._fault,
             min_chunk_tokens=model.min_prefill_chunk,
             wake=lambda: self._inbox.put(_Wake()),
+            num_layers=len(model.make_cache()),
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
 

@@ -142,6 +142,10 @@ class Pacer:
         decoding = (self.decode_step_s(decode_rows) or 0.0) if decode_rows else 0.0
         return target - decoding
 
+    def prefill_rate_s(self) -> float | None:
+        """Seconds per prefill token of the chunks seen (None before any)."""
+        return None if self._prefill.line() is None else self._prefill.mean_rate()
+
     def tokens_within(self, seconds: float) -> int:
         """The longest chunk whose forward fits in `seconds` (0 if none does)."""
         line = self._prefill.line()

@@ -70,6 +70,7 @@ class Scheduler:
         fault: FaultHook | None = None,
         min_chunk_tokens: int = MIN_CHUNK_TOKENS,
         wake: Callable[[], None] | None = None,
+        num_layers: int = 1,
     ) -> None:
         self.config = config
         # Paced chunks are never cut shorter, so a long prompt always progresses
@@ -77,6 +78,7 @@ class Scheduler:
         self.min_chunk_tokens = max(MIN_CHUNK_TOKENS, min_chunk_tokens)
         # The shortest chunk this model can be fed at all (a hit's suffix ends in one).
         self.model_min_chunk = max(1, min_chunk_tokens)
+        self.num_layers = max(1, num_layers)
         self._fault = fault
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
@@ -239,23 +241,39 @@ class Scheduler:
         The suffix is this request's whole prefill (a turn's new messages), so each
         paced chunk's fixed cost lands on its own first token, and with nobody
         running there is no stream to pace for; the token budget still bounds the
-        step a newcomer may wait for. A long prompt's tail stays paced. The prompt
-        then ends in a chunk of the model's shortest length, as mlx-lm's own
-        prefill does: a chunk that ends the prompt runs the last layer and the
-        head over all its positions, one that does not is evaluated only as far
-        as the cache (`Runner._feed_only`). Never more forwards than pacing.
+        step a newcomer may wait for. A long prompt's tail stays paced. Where it
+        pays (`_tail_pays`: a shallow model) the prompt then ends in a chunk of the
+        model's shortest length, as mlx-lm's own prefill does: a chunk that ends the
+        prompt runs the last layer over all its positions, one that does not is
+        evaluated only as far as the cache (`Runner._feed_only`). Never more
+        forwards than pacing.
         """
         hit = request.cached_tokens
         if hit == 0 or request.num_computed != hit or request.fill_ids is not None:
             return None  # not a hit, or its first chunk has been fed
         remaining = request.prefill_remaining
-        tail = self.model_min_chunk
+        tail = self.model_min_chunk if self._tail_pays(remaining) else 0
         shortest = self.min_chunk_tokens
         if remaining > budget or remaining - tail < shortest:
             return None
         if max(self.pacer.tokens_within(left), shortest) > remaining - shortest:
             return None  # pacing feeds it in one chunk already
         return self._next_chunk(request, remaining - tail)
+
+    def _tail_pays(self, suffix: int) -> bool:
+        """Whether ending a hit's suffix in a short chunk of its own saves time.
+
+        The chunk that ends a prompt runs its last layer over every position
+        (the others stop at the cache), about 1/L of its work on an L-layer
+        model; a separate short chunk costs one more forward, about a decode
+        step. On a deep model (a real checkpoint on Metal) one chunk is cheaper;
+        on a shallow one the split is. Unmeasured, split as mlx-lm does.
+        """
+        step = self.pacer.decode_step_s(1)
+        rate = self.pacer.prefill_rate_s()
+        if step is None or rate is None:
+            return True
+        return suffix * rate / self.num_layers > step
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
