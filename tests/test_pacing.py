@@ -290,3 +290,17 @@ def test_a_deep_model_feeds_a_hit_suffix_whole_where_a_split_would_cost_a_forwar
     plan = StepPlan()
     deep._plan_prefills(plan)
     assert [(c.num_tokens, c.is_last) for c in plan.prefills] == [(232, True)]
+
+
+@pytest.mark.parametrize(("layers", "first_chunk"), [(2, 231), (43, 232)])
+def test_a_fresh_engine_splits_a_hit_suffix_only_on_a_shallow_model(
+    layers: int, first_chunk: int
+) -> None:
+    """Right after a start (a restore from disk) nothing is measured yet."""
+    scheduler = Scheduler(
+        EngineConfig(prefix_cache=False), frozenset(), min_chunk_tokens=1, num_layers=layers
+    )
+    scheduler.running.append(_hit("restored", 7232, 7000))
+    plan = StepPlan()
+    scheduler._plan_prefills(plan)
+    assert [c.num_tokens for c in plan.prefills] == [first_chunk]

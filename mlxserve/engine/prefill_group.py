@@ -112,7 +112,8 @@ def _forward(runner: Runner, group: list[PrefillChunk], result: StepResult) -> b
             own = [layer.extract(i) for layer in cache]
             runner.caches[rid] = own
             if chunk.snapshot_after:
-                output.snapshot = runner._snapshot(chunk.request.context_ids[: chunk.end], own, rid)
+                key = chunk.request.context_ids[: chunk.end]
+                output.snapshot = runner._own_snapshot(rid, key)
             runner.joining.append(rid)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)

@@ -317,8 +317,7 @@ class Runner:
                 output.sampled = self._sample(built.logits, [request])[0]
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
-                key = request.context_ids[: chunk.end]
-                output.snapshot = self._snapshot(key, cache, rid)
+                output.snapshot = self._own_snapshot(rid, request.context_ids[: chunk.end])
             result.outputs.append(output)
             if chunk.is_last and self.batchable:
                 self.joining.append(rid)
@@ -379,8 +378,8 @@ class Runner:
         """A snapshot of a request's own cache (None if it fails: only the entry is lost)."""
         try:
             return self._snapshot(key_ids, self.caches[request_id], request_id)
-        except Exception:  # the request is finishing; only its prefix-cache entry is lost
-            logger.exception("snapshot of finished request %s failed", request_id)
+        except Exception:  # the answer stands; only this prefix-cache entry is lost
+            logger.exception("snapshot of request %s failed", request_id)
             return None
 
     def _snapshot(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RECENT_STATUS_LIMIT = 4096
+# Before a forward's cost is measured, it is taken to cost this many prefill tokens.
+UNMEASURED_FORWARD_TOKENS = 16
 # A shared prefix shorter than this is not worth a snapshot of its own.
 MIN_BRANCH_TOKENS = 32
 
@@ -204,7 +206,7 @@ class Scheduler:
             on_time = left * FRESH_PROMPT_FACTOR if fresh else left
             if together or pacer.cost_s(whole) <= on_time:
                 left = None
-        if left is not None and not others and prefilling:
+        if not others and prefilling:
             chunk = self._hit_suffix_chunk(prefilling[0], budget, left)
             if chunk is not None:
                 plan.prefills.append(chunk)
@@ -234,7 +236,9 @@ class Scheduler:
             if left is not None:
                 left -= pacer.cost_s(chunk.num_tokens)
 
-    def _hit_suffix_chunk(self, request: Request, budget: int, left: float) -> PrefillChunk | None:
+    def _hit_suffix_chunk(
+        self, request: Request, budget: int, left: float | None
+    ) -> PrefillChunk | None:
         """A prefix-cache hit's suffix, prefilling alone, that pacing would cut into
         several chunks: all of it but its last few tokens in one chunk (None otherwise).
 
@@ -256,7 +260,10 @@ class Scheduler:
         shortest = self.min_chunk_tokens
         if remaining > budget or remaining - tail < shortest:
             return None
-        if max(self.pacer.tokens_within(left), shortest) > remaining - shortest:
+        if left is None:
+            if tail == 0:
+                return None  # unpaced, it goes in one chunk anyway
+        elif max(self.pacer.tokens_within(left), shortest) > remaining - shortest:
             return None  # pacing feeds it in one chunk already
         return self._next_chunk(request, remaining - tail)
 
@@ -267,12 +274,13 @@ class Scheduler:
         (the others stop at the cache), about 1/L of its work on an L-layer
         model; a separate short chunk costs one more forward, about a decode
         step. On a deep model (a real checkpoint on Metal) one chunk is cheaper;
-        on a shallow one the split is. Unmeasured, split as mlx-lm does.
+        on a shallow one the split is. Unmeasured (a fresh engine), a forward is
+        taken to cost as much as `UNMEASURED_FORWARD_TOKENS` prefill tokens.
         """
         step = self.pacer.decode_step_s(1)
         rate = self.pacer.prefill_rate_s()
         if step is None or rate is None:
-            return True
+            return suffix > self.num_layers * UNMEASURED_FORWARD_TOKENS
         return suffix * rate / self.num_layers > step
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
@@ -428,8 +436,7 @@ class Scheduler:
     def _apply(self, output: RequestOutput) -> None:
         self._check(faults.UPDATE, output.request_id)
         if output.snapshot is not None and self.prefix_cache is not None:
-            self._check(faults.INSERT, output.request_id)
-            self._store(output.snapshot)
+            self._store(output.request_id, output.snapshot)
         request = self.by_id.get(output.request_id)
         if request is None or request.status.is_finished:
             return
@@ -443,12 +450,13 @@ class Scheduler:
         elif output.sampled is not None:
             self._accept(request, output.sampled)
 
-    def _store(self, snapshot: Snapshot) -> None:
+    def _store(self, request_id: str, snapshot: Snapshot) -> None:
+        """Insert a snapshot; a failure costs the entry (a future hit), never the request."""
         assert self.prefix_cache is not None
         try:
+            self._check(faults.INSERT, request_id)
             self.prefix_cache.insert(snapshot.key_ids, snapshot.cache)
-        except ValueError:
-            # A snapshot whose size disagrees with its key is a bug; serving goes on.
+        except Exception:  # the answer stands; only this prefix-cache entry is lost
             logger.exception("prefix cache refused a snapshot of %d tokens", len(snapshot.key_ids))
 
     def _accept(self, request: Request, sampled: SampledRow) -> None:
