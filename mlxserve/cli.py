@@ -113,6 +113,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a step running longer than S s is engine death: /health answers 503 "
+        "'engine stalled' and every open request fails (0: no watchdog)",
+    )
+    p.add_argument(
         "--exit-on-engine-failure",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -43,6 +43,8 @@ class EngineConfig:
     kv_reserve_tokens: int = 64
     # Fail a request that runs longer than this (None: no limit).
     request_timeout_s: float | None = None
+    # A step running longer than this is engine death (None: no watchdog).
+    step_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError("kv_reserve_tokens must be >= 0")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError("request_timeout_s must be positive")
+        if self.step_timeout_s is not None and not self.step_timeout_s > 0:
+            raise ValueError("step_timeout_s must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_prefill_tokens is not None:

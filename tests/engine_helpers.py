@@ -111,3 +111,18 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
 
 def idle(engine: AsyncEngine) -> bool:
     return not any(engine.open_requests().values())
+
+
+class Wedge(ModelWrapper):
+    """Once armed, a model call blocks until `release` is set (a stalled driver)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def check(self, inputs: Any) -> None:
+        if self.armed.is_set() and not self.release.is_set():
+            self.entered.set()
+            self.release.wait()

@@ -46,6 +46,8 @@ class _EngineCollector(Collector):
         yield _gauge(f"{p}_model_ready", "1 once the model is loaded.", int(self.ready))
         alive = int(bool(stats.get("alive", True)))
         yield _gauge(f"{p}_engine_alive", "0 once the engine thread has died.", alive)
+        stalled = int(bool(stats.get("stalled", False)))
+        yield _gauge(f"{p}_engine_stalled", "1 once a step outlived --step-timeout.", stalled)
         yield _gauge(f"{p}_requests_running", "Requests decoding now.", _num(stats, "running"))
         yield _gauge(f"{p}_requests_waiting", "Requests queued for a slot.", _num(stats, "waiting"))
         yield _gauge(

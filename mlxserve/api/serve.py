@@ -36,6 +36,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         prefix_cache_disk_every=args.prefix_cache_disk_every,
         kv_memory_bytes=args.kv_memory_bytes,
         request_timeout_s=args.request_timeout,
+        step_timeout_s=args.step_timeout or None,
     )
 
 

@@ -246,6 +246,7 @@ class AsyncEngine:
             "ready": self.ready,
             "alive": core.failure is None and core.load_error is None,
             "failure": core.failure,
+            "stalled": core.stalled,
             "running": scheduler.num_running if scheduler else 0,
             "waiting": self._num_waiting(),
             "steps": core.steps,

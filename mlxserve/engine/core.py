@@ -61,6 +61,10 @@ class _Stop:
     pass
 
 
+class EngineStalled(RuntimeError):
+    """A step outlived the watchdog; the engine has been reported dead."""
+
+
 class _Wake:
     """Nothing to apply: a step may have work (a disk read finished)."""
 
@@ -90,6 +94,11 @@ class EngineCore:
         self._on_death = on_death
         self._inbox: queue.SimpleQueue[_Add | _Abort | _Stop | _Wake] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="mlxserve-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="mlxserve-watchdog", daemon=True)
+        self._stopping = threading.Event()
+        # When the step in progress began (None between steps), for the watchdog.
+        self._step_started: float | None = None
+        self.stalled = False
         self._count_lock = threading.Lock()
         self._pending_adds = 0
         self.ready = threading.Event()
@@ -110,6 +119,8 @@ class EngineCore:
     # -- called from other threads -----------------------------------------
     def start(self) -> None:
         self._thread.start()
+        if self.config.step_timeout_s is not None:
+            self._watchdog.start()
 
     def add(self, request: Request) -> None:
         with self._count_lock:
@@ -124,7 +135,10 @@ class EngineCore:
         self._inbox.put(_Abort(request_id, RequestStatus.FINISHED_STOPPED))
 
     def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
         self._inbox.put(_Stop())
+        if self.stalled:
+            return  # its thread is stuck in a step: nothing to wait for
         if self._thread.is_alive():
             # At shutdown the disk tier writes what RAM holds that it does not.
             disk = self.prefix_cache.disk if self.prefix_cache is not None else None
@@ -165,6 +179,8 @@ class EngineCore:
             self._loop()
             stopped = True
             self._close_disk()
+        except EngineStalled as e:  # the watchdog has reported it already
+            reason = str(e)
         except BaseException as e:  # any end but a stop is reported (below)
             reason = _describe(e)
             logger.critical("the engine thread died: %s", reason, exc_info=True)
@@ -259,9 +275,15 @@ class EngineCore:
                 disk.pump(flush=True)  # nothing will compute: hand every staged write over
             if not self._handle_commands(block=idle):
                 return
-            self._step(scheduler, runner)
-            if disk is not None:
-                self._guarded(disk.pump, lambda: [])
+            self._step_started = time.monotonic()
+            try:
+                self._step(scheduler, runner)
+                if disk is not None:
+                    self._guarded(disk.pump, lambda: [])
+            finally:
+                self._step_started = None
+            if self.stalled:
+                raise EngineStalled(self.failure or "engine stalled")
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> None:
         """One step: schedule -> run -> update; its events go out as the update ends.
@@ -361,6 +383,22 @@ class EngineCore:
                     return True
         finally:
             self._flush()
+
+    def _watch(self) -> None:
+        """The step watchdog: a step that runs past `step_timeout_s` is engine death."""
+        timeout = self.config.step_timeout_s
+        assert timeout is not None
+        while not self._stopping.wait(min(1.0, timeout / 4)):
+            started = self._step_started
+            if started is None or time.monotonic() - started <= timeout or self.failure:
+                continue
+            reason = f"engine stalled: a step has run for more than {timeout:g} s"
+            logger.critical("%s; failing every open request", reason)
+            self.stalled = True
+            self.failure = reason
+            if self._on_death is not None:
+                self._on_death(reason)
+            return
 
     def _die(self, reason: str) -> None:
         """The loop ended without a stop: fail every request it knew, tell the owner."""

@@ -1,0 +1,112 @@
+"""The step watchdog: a step that never returns is engine death, never a silent hang.
+
+`/health` answers 503 "engine stalled", `/metrics` shows it, every open request
+fails with a clear error, and with `--exit-on-engine-failure` the server exits
+non-zero for its supervisor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import httpx
+import pytest
+from api_fixtures import ServerThread, chat_body, serve_args
+from engine_helpers import Wedge, collect, wait_until
+
+from mlxserve.api.serve import build_app, serve_app
+from mlxserve.config import EngineConfig
+from mlxserve.engine.async_engine import AsyncEngine
+from mlxserve.engine.request import EngineNotReady, SamplingParams
+from mlxserve.models import load
+
+pytestmark = pytest.mark.slow
+
+STEP_TIMEOUT = "0.5"
+
+
+def _wedged(path: Any) -> tuple[Any, dict[str, Wedge]]:
+    holder: dict[str, Wedge] = {}
+
+    def loader() -> Any:
+        model = load(path)
+        model.model = holder["model"] = Wedge(model.model)
+        return model
+
+    return loader, holder
+
+
+def test_a_stalled_step_fails_every_open_request(model_dir_factory) -> None:
+    loader, holder = _wedged(model_dir_factory("llama"))
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(step_timeout_s=0.5), loader)
+        engine.start()
+        await engine.wait_ready(timeout=120)
+        wedge = holder["model"]
+        try:
+            wedge.armed.set()
+            streams = [
+                collect(engine.submit([5 + i, 6, 7], SamplingParams(max_tokens=50)))
+                for i in range(3)
+            ]
+            results = await asyncio.wait_for(asyncio.gather(*streams), 60)
+            for events in results:
+                assert events[-1].finish_reason == "error"
+                assert "engine stalled" in (events[-1].error or "")
+            assert wedge.entered.is_set()
+            stats = engine.stats()
+            assert stats["stalled"] and not stats["alive"]
+            with pytest.raises(EngineNotReady, match="engine stalled"):
+                engine.submit([1, 2, 3], SamplingParams(max_tokens=2))
+        finally:
+            wedge.release.set()
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_health_and_metrics_say_stalled(model_dir_factory) -> None:
+    loader, holder = _wedged(model_dir_factory("llama"))
+    args = serve_args("--step-timeout", STEP_TIMEOUT, "--no-exit-on-engine-failure")
+    with ServerThread(args, loader) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        wedge = holder["model"]
+        try:
+            assert http.get("/health").status_code == 200
+            wedge.armed.set()
+            response = http.post("/v1/chat/completions", json=chat_body(max_tokens=50))
+            assert response.status_code >= 500
+            assert "engine stalled" in response.json()["error"]["message"]
+            health = http.get("/health")
+            assert health.status_code == 503 and "engine stalled" in health.json()["error"]
+            metrics = http.get("/metrics").text
+            assert "mlxserve_engine_stalled 1.0" in metrics
+            assert "mlxserve_engine_alive 0.0" in metrics
+        finally:
+            wedge.release.set()
+
+
+def test_a_stall_ends_the_server_non_zero_when_exit_is_on(model_dir_factory) -> None:
+    loader, holder = _wedged(model_dir_factory("llama"))
+    args = serve_args("--step-timeout", STEP_TIMEOUT)
+    app, state = build_app(args, loader=loader)
+    result: list[int] = []
+    thread = threading.Thread(
+        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
+        daemon=True,
+    )
+    thread.start()
+    url = f"http://{args.host}:{args.port}"
+    assert wait_until(lambda: state.engine.ready, timeout=120)
+    wedge = holder["model"]
+    try:
+        wedge.armed.set()
+        with httpx.Client(base_url=url, timeout=60) as http:
+            response = http.post("/v1/chat/completions", json=chat_body(max_tokens=50))
+        assert response.status_code >= 500
+        thread.join(timeout=60)
+        assert result == [1]
+    finally:
+        wedge.release.set()
