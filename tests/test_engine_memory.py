@@ -17,6 +17,7 @@ from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.runner import Runner
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
+from mlxserve.models.loaded import LoadedModel
 
 
 def test_fit_cost_lies_above_a_block_allocated_cache() -> None:
@@ -154,3 +155,30 @@ def test_an_allocation_error_fails_its_request_and_serving_goes_on(
 
     asyncio.run(main())
     assert any("KV memory budget" in r.getMessage() for r in caplog.records)
+
+
+def test_a_model_the_memory_probe_cannot_drive_is_refused(model_dir_factory) -> None:
+    """No silent fallback to serving without a byte budget: the load fails, saying why."""
+    from mlxserve.engine.async_engine import AsyncEngine
+    from mlxserve.engine.request import EngineNotReady
+
+    class Unprobeable(ModelWrapper):
+        def check(self, inputs: object) -> None:
+            raise RuntimeError("this forward cannot run")
+
+    def loader() -> LoadedModel:
+        model = load(model_dir_factory("llama"))
+        model.model = Unprobeable(model.model)
+        return model
+
+    async def main() -> None:
+        engine = AsyncEngine(EngineConfig(), loader)
+        engine.start()
+        try:
+            with pytest.raises(EngineNotReady, match="could not measure this model's KV cache"):
+                await engine.wait_ready(timeout=120)
+            assert "this forward cannot run" in (engine.load_error or "")
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

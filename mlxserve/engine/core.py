@@ -32,7 +32,7 @@ from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
-from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.loaded import LoadedModel, ModelLoadError
 
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
@@ -238,13 +238,19 @@ class EngineCore:
         except Exception:  # the process is stopping; what was written stays usable
             logger.exception("closing the prefix cache's disk tier failed")
 
-    def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget | None:
-        """The KV byte budget and this model's measured cache cost (None if it cannot be probed)."""
+    def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget:
+        """The KV byte budget and this model's measured cache cost.
+
+        A model the probe cannot drive is refused: serving it without a byte
+        budget would let memory run out instead of answering (DESIGN rule 9).
+        """
         try:
             cost = runner.probe_cost()
-        except Exception:  # a model the probe cannot drive is served without a KV budget
-            logger.warning("could not measure the KV cache size; no KV budget", exc_info=True)
-            return None
+        except Exception as e:  # reported as the load error (/health, the log)
+            raise ModelLoadError(
+                f"could not measure this model's KV cache size, so it cannot be served "
+                f"within a memory budget: {_describe(e)}"
+            ) from e
         finally:
             mx.clear_cache()
         budget = self.config.kv_memory_bytes
@@ -323,20 +329,22 @@ class EngineCore:
             self._flush()
 
     def _recover(self, request_ids: list[str], message: str) -> None:
-        """Fail these requests and free their state; if that fails too, reset the runner."""
+        """Fail these requests and free their state. If that fails too, every request
+        fails and the runner starts clean: a step's failure never ends the engine."""
         scheduler, runner = self.scheduler, self.runner
         assert scheduler is not None and runner is not None
-        if self._fault is not None:
-            self._fault(faults.RECOVER, request_ids)
-        for request_id in request_ids:
-            scheduler.fail(request_id, message)
         try:
+            if self._fault is not None:
+                self._fault(faults.RECOVER, request_ids)
+            for request_id in request_ids:
+                scheduler.fail(request_id, message)
             runner.release(request_ids)
         except Exception:  # the batch may be inconsistent now: start from a clean runner
-            logger.exception("freeing the failed requests failed; resetting the runner")
+            logger.exception("recovering from a failed step failed; resetting the runner")
             scheduler.fail_all(message)
             runner.reset()
-        mx.clear_cache()
+        finally:
+            mx.clear_cache()
 
     def _flush(self) -> None:
         scheduler = self.scheduler
@@ -346,14 +354,19 @@ class EngineCore:
             self._emit(events)
 
     def _measure(self, scheduler: Scheduler, runner: Runner) -> None:
-        """What the caches hold now: live caches, pending hit copies and the prefix cache."""
-        held = runner.live_bytes()
-        self.kv_bytes = held
-        pending = [r.cache for r in scheduler.running if r.cache is not None]
-        if pending:
-            held += live_nbytes(pending)
-        if self.prefix_cache is not None:
-            held += self.prefix_cache.nbytes
+        """What the caches hold now: live caches, pending hit copies and the prefix cache.
+        A failure here keeps the last figures; it never fails a request or the engine."""
+        try:
+            held = runner.live_bytes()
+            self.kv_bytes = held
+            pending = [r.cache for r in scheduler.running if r.cache is not None]
+            if pending:
+                held += live_nbytes(pending)
+            if self.prefix_cache is not None:
+                held += self.prefix_cache.nbytes
+        except Exception:  # a gauge, not a step: the figures wait for the next step
+            logger.exception("measuring the caches' bytes failed")
+            return
         self.cache_bytes = held
         self.peak_cache_bytes = max(self.peak_cache_bytes, held)
 
