@@ -142,6 +142,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="responses kept in memory for previous_response_id (LRU); 0 keeps none",
     )
+    p.add_argument(
+        "--responses-store-bytes",
+        type=int,
+        default=512 * 1024 * 1024,
+        metavar="B",
+        help="and at most B bytes of them, each counted as its whole conversation",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(handler="mlxserve.api.serve:run")
 

@@ -100,6 +100,8 @@ class ServerConfig:
     keepalive_interval_s: float = 10.0
     # Responses kept in memory for `previous_response_id` (LRU); 0 keeps none.
     responses_store: int = 256
+    # ... and at most this many bytes of them (each counted as its whole conversation).
+    responses_store_bytes: int = 512 * 1024 * 1024
     exit_on_engine_failure: bool = True
 
     def __post_init__(self) -> None:
@@ -111,3 +113,5 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be at least 1024")
         if self.responses_store < 0:
             raise ValueError("responses_store must be >= 0")
+        if self.responses_store_bytes < 0:
+            raise ValueError("responses_store_bytes must be >= 0")

@@ -338,6 +338,25 @@ def test_store_is_a_bounded_lru() -> None:
     assert store.get("resp_3").body["id"] == "resp_3"
 
 
+def test_store_is_bounded_in_bytes_too() -> None:
+    """Each entry counts its whole conversation: a long chain cannot hold gigabytes."""
+    turn = ({"type": "message", "content": "x" * 1000},)
+    one = ResponseStore(100, max_bytes=10_000)
+    assert one.put(_body(0), turn) and 1000 < one.nbytes < 1200
+    store = ResponseStore(100, max_bytes=one.nbytes * 8)
+    history: tuple[dict[str, Any], ...] = ()
+    for i in range(6):  # a chain: each response holds the conversation so far
+        history = history + turn
+        store.put(_body(i), history)
+    assert store.nbytes <= store.max_bytes
+    assert len(store) < 6 and store.get("resp_5").items == history  # the newest stays
+    with pytest.raises(APIError):
+        store.get("resp_0")
+    assert not store.put(_body(9), turn * 10)  # alone larger than the bound: not kept
+    store.delete("resp_5")
+    assert store.nbytes < store.max_bytes
+
+
 def test_store_of_zero_keeps_nothing() -> None:
     store = ResponseStore(0)
     assert not store.put(_body(1), ())

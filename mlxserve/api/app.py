@@ -125,7 +125,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def _messages(request: Request) -> Response:
         return await _generate(state, request, "messages", messages)
 
-    responses = ResponsesAPI(ResponseStore(state.config.responses_store))
+    store = ResponseStore(state.config.responses_store, state.config.responses_store_bytes)
+    responses = ResponsesAPI(store)
     app.state.responses = responses
 
     @app.post("/v1/responses")

@@ -53,6 +53,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         keepalive_interval_s=args.keepalive_interval,
         responses_store=args.responses_store,
+        responses_store_bytes=args.responses_store_bytes,
         exit_on_engine_failure=args.exit_on_engine_failure,
     )
 
