@@ -94,7 +94,9 @@ async def watch_engine(state: ServerState, every_s: float = 0.2) -> None:
 async def _generate(state: ServerState, request: Request, kind: str, handler: Handler) -> Response:
     check_api_key(request, state.config.api_key)
     try:
-        return await handler(state, request)
+        # Anything that raises between submit and the response aborts the engine request.
+        with state.owning_requests():
+            return await handler(state, request)
     except GenerationFailed:
         raise
     except APIError as e:

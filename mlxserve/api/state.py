@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -257,9 +259,31 @@ class ServerState:
             raise APIError(503, str(e) or "model is not ready") from e
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from e
+        owner = _OWNER.get()
+        if owner is not None:
+            owner.append(request_id)
         if self.on_submit is not None:
             self.on_submit(request_id, list(prompt_ids))
         return events
+
+    @contextmanager
+    def owning_requests(self) -> Iterator[list[str]]:
+        """Own what `submit` starts inside this block: if the block raises (before its
+        response has taken the request over), those engine requests are aborted."""
+        owned: list[str] = []
+        token = _OWNER.set(owned)
+        try:
+            yield owned
+        except BaseException:
+            for request_id in owned:
+                self.engine.abort(request_id)
+            raise
+        finally:
+            _OWNER.reset(token)
+
+
+# The request ids submitted while building the current HTTP request's response.
+_OWNER: ContextVar[list[str] | None] = ContextVar("mlxserve_request_owner", default=None)
 
 
 def model_context_length(config: dict[str, Any], tokenizer: Any = None) -> tuple[str, int] | None:
