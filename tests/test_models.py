@@ -197,3 +197,27 @@ def test_last_logits_with_tied_embeddings(tmp_path: Path, model_dir_factory) -> 
     full = model.model(mx.array([ids]), model.make_cache())[:, -1, :]
     last = model.model.last_logits(mx.array([ids]), model.make_cache())
     assert mx.allclose(full, last, atol=1e-3).item()
+
+
+def test_dependency_pins_match_what_serve_checks() -> None:
+    """pyproject pins exactly the versions `mlxserve serve` checks at start."""
+    import re
+    from pathlib import Path
+
+    from mlxserve.versions import PINNED, version_problems
+
+    text = (Path(__file__).parents[1] / "pyproject.toml").read_text(encoding="utf-8")
+    for package, wanted in PINNED.items():
+        pins = re.findall(rf'"{re.escape(package)}(?:\[cpu\])?==([^;"]+)', text)
+        assert pins and set(pins) == {wanted}, (package, pins)
+    assert version_problems() == []  # this environment is what the tests ran against
+
+
+def test_serve_refuses_other_dependency_versions(monkeypatch) -> None:
+    from mlxserve import versions
+
+    monkeypatch.setitem(versions.PINNED, "mlx-lm", "0.0.1")
+    problems = versions.version_problems()
+    assert len(problems) == 1 and "mlx-lm 0.32.2" in problems[0] and "0.0.1" in problems[0]
+    with pytest.raises(RuntimeError, match="mlx-lm"):
+        versions.check_versions()

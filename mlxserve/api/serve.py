@@ -15,6 +15,7 @@ from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
+from mlxserve.versions import check_versions
 
 logger = logging.getLogger("mlxserve.serve")
 
@@ -116,8 +117,9 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        check_versions()
         app, state = build_app(args)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
     if args.host not in LOOPBACK and args.api_key is None:
