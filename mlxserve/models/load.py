@@ -50,15 +50,14 @@ def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> 
 
         module = vlm_load_model(path, lazy=True).language_model
     else:
-        from mlx_lm.utils import _get_classes, load_model
+        from mlx_lm.utils import load_model
 
         try:
-            _get_classes(config)
-        except ValueError as e:
+            module, _ = load_model(path, lazy=True)
+        except ValueError as e:  # mlx-lm has no module for this model_type
             raise ModelLoadError(
                 f"model_type {model_type!r} is not supported by mlx-lm: {e}"
             ) from e
-        module, _ = load_model(path, lazy=True)
     _materialise(module, progress)
     return module
 
