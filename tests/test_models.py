@@ -221,3 +221,19 @@ def test_serve_refuses_other_dependency_versions(monkeypatch) -> None:
     assert len(problems) == 1 and "mlx-lm 0.32.2" in problems[0] and "0.0.1" in problems[0]
     with pytest.raises(RuntimeError, match="mlx-lm"):
         versions.check_versions()
+
+
+def test_an_unknown_model_type_is_a_clear_load_error(model_dir_factory, tmp_path) -> None:
+    import json
+    import shutil
+
+    from mlxserve.models.load import load
+    from mlxserve.models.loaded import ModelLoadError
+
+    bogus = tmp_path / "bogus"
+    shutil.copytree(model_dir_factory("llama"), bogus)
+    config = json.loads((bogus / "config.json").read_text())
+    config["model_type"] = "no_such_family"
+    (bogus / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="no_such_family"):
+        load(bogus)
