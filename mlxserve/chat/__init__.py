@@ -21,11 +21,11 @@ from mlxserve.chat.messages import (
 from mlxserve.chat.render import (
     PromptIds,
     PromptRequest,
-    choose_encoder,
     render_prompt,
     render_text,
 )
-from mlxserve.chat.template import check_renderable, render_template
+from mlxserve.chat.template import render_template
+from mlxserve.models.prompt_format import check_renderable, choose_encoder
 
 __all__ = [
     "AssistantMessage",

@@ -8,10 +8,10 @@ from typing import Any
 
 from mlxserve.chat.deepseek_v4 import Variant, encode_request
 from mlxserve.chat.messages import PromptError
-from mlxserve.chat.template import PROGRAMMATIC_ENCODERS, render_template
+from mlxserve.chat.template import render_template
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.prompt_format import PROGRAMMATIC_ENCODERS
 
-ENCODERS = ("deepseek_v4", "deepseek_v41", "template")
 _VARIANTS: dict[str, Variant] = {"deepseek_v4": "v4", "deepseek_v41": "v41"}
 # Effort names clients send (OpenAI, Anthropic) that V4.1's encoder has no level for:
 # they select its low level, as V4's encoder treats them like "low".
@@ -40,22 +40,6 @@ class PromptIds:
 
     text: str
     token_ids: list[int]
-
-
-def choose_encoder(model_type: str, override: str = "auto") -> str:
-    """The prompt renderer for a model: "deepseek_v4", "deepseek_v41" or "template".
-
-    `override` is `--chat-encoder`; "auto" picks by the model's `model_type`.
-    """
-    if override != "auto":
-        if override not in ENCODERS:
-            raise ValueError(
-                f"--chat-encoder {override!r} is not one of auto, {', '.join(ENCODERS)}"
-            )
-        return override
-    if model_type in _VARIANTS:
-        return model_type
-    return "template"
 
 
 def deepseek_request(request: PromptRequest) -> dict[str, Any]:

@@ -24,9 +24,7 @@ from mlxserve.chat.messages import (
     UserMessage,
     normalise_messages,
 )
-from mlxserve.models.loaded import LoadedModel, ModelLoadError
-
-PROGRAMMATIC_ENCODERS = frozenset({"deepseek_v4", "deepseek_v41"})
+from mlxserve.models.prompt_format import has_chat_template
 
 # Arguments of `apply_chat_template` that are ours to set, not the client's.
 _RESERVED_KWARGS = frozenset(
@@ -46,31 +44,6 @@ _RESERVED_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    """Whether a tokenizer (HF, or mlx-lm's TokenizerWrapper) can render chats."""
-    flag = getattr(tokenizer, "has_chat_template", None)
-    if isinstance(flag, bool):
-        return flag
-    return getattr(tokenizer, "chat_template", None) is not None
-
-
-def check_renderable(model: LoadedModel) -> None:
-    """Fail the load (never fall back silently) if no prompt renderer fits the model."""
-    encoder = model.chat_encoder
-    if encoder in PROGRAMMATIC_ENCODERS:
-        return
-    if encoder != "template":
-        raise ModelLoadError(
-            f"unknown chat encoder {encoder!r}; expected deepseek_v4, deepseek_v41 or template"
-        )
-    if not has_chat_template(model.tokenizer):
-        raise ModelLoadError(
-            f"model {model.path} (model_type {model.model_type!r}) has no chat template in its "
-            "tokenizer_config.json / chat_template.jinja and no built-in prompt encoder; add a "
-            "chat template to the model directory or pass --chat-encoder deepseek_v4|deepseek_v41"
-        )
 
 
 def template_messages(raw: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

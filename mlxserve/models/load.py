@@ -10,6 +10,7 @@ from typing import Any
 from mlxserve.models.adapter import ModelAdapter
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
 from mlxserve.models.progress import LoadProgress
+from mlxserve.models.prompt_format import check_renderable, choose_encoder
 from mlxserve.models.scripted import is_scripted, load_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -128,8 +129,6 @@ def load(
 
     `progress` (if given) follows the load: stage and fraction of weight bytes.
     """
-    from mlxserve.chat.render import choose_encoder
-
     progress = progress or LoadProgress(bar=False)
     path = Path(path)
     config = read_config(path)
@@ -178,6 +177,4 @@ def _load_scripted(path: Path, config: dict[str, Any], encoder: str) -> LoadedMo
 
 
 def _check_renderable(model: LoadedModel) -> None:
-    from mlxserve.chat.template import check_renderable
-
     check_renderable(model)
