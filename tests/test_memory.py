@@ -6,7 +6,7 @@ import asyncio
 
 import mlx.core as mx
 import pytest
-from engine_helpers import collect, started_engine
+from engine_helpers import collect, idle, started_engine, wait_until
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
@@ -35,7 +35,7 @@ def test_memory_is_flat_over_many_requests(family: str, model_dir_factory) -> No
             baseline = mx.get_active_memory()
             for n in range(3, 15):
                 await wave(engine, n * 4)
-            await asyncio.sleep(0.1)
+            assert await asyncio.to_thread(wait_until, lambda: idle(engine))
             runner = engine.core.runner
             assert runner is not None
             assert not runner.caches and not runner.samplers and not runner.batch.request_ids
