@@ -30,6 +30,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.models.loaded import LoadedModel
+
 logger = logging.getLogger(__name__)
 
 # Lengths the probe fills a cache to: just past 256-token preallocation blocks and just
@@ -175,3 +177,46 @@ class KVBudget:
 
     def total(self, lengths: Sequence[int]) -> int:
         return self.cost.total(lengths, self.batched)
+
+
+# Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
+PROBE_DECODE_STEPS = 4
+
+
+def probe_cost(model: LoadedModel, batchable: bool) -> CacheCost:
+    """Measure one request's cache bytes against its tokens on this model.
+
+    Fills fresh caches to a few lengths by a prefill (a multi-token update
+    may hold more than decoding does, e.g. a whole chunk in a window
+    cache), then decodes a token alone and, when requests decode batched
+    (`batchable`), merged into a batch of one; an upper bound is fitted to
+    every sample.
+    """
+    from mlxserve.engine.decode_batch import DecodeBatch
+
+    vocab = max(1, model.vocab_size)
+    samples: dict[int, int] = {}
+
+    def sample(tokens: int, cache: list[Any]) -> None:
+        samples[tokens] = max(samples.get(tokens, 0), live_nbytes(cache))
+
+    def feed(tokens: list[int], cache: list[Any]) -> None:
+        inputs = mx.array([tokens], dtype=mx.int32)
+        mx.eval(model.model.last_logits(inputs, cache))
+
+    for length in probe_lengths(model.config):
+        cache = model.make_cache()
+        feed([(i * 31 + 7) % vocab for i in range(length)], cache)
+        sample(length, cache)
+        for step in range(1, PROBE_DECODE_STEPS + 1):
+            feed([step % vocab], cache)
+            sample(length + step, cache)
+        if batchable:
+            probe = DecodeBatch()
+            probe.add("probe", cache)
+            length += PROBE_DECODE_STEPS
+            sample(length, probe.cache)
+            for step in range(1, PROBE_DECODE_STEPS // 2 + 1):
+                feed([step % vocab], probe.cache)
+                sample(length + step, probe.cache)
+    return fit_cost(samples.items())

@@ -40,7 +40,7 @@ from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.memory import CacheCost, fit_cost, live_nbytes, probe_lengths
+from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -49,7 +49,7 @@ from mlxserve.engine.plan import (
     StepPlan,
     StepResult,
 )
-from mlxserve.engine.prefill_group import prefill_group
+from mlxserve.engine.prefill_group import GroupedPrefill, grouped_forward, pick_group
 from mlxserve.engine.request import Request
 from mlxserve.engine.restores import DiskRestore
 from mlxserve.engine.sampling import (
@@ -69,10 +69,6 @@ logger = logging.getLogger(__name__)
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-# Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
-PROBE_DECODE_STEPS = 4
 
 
 class _Once:
@@ -170,39 +166,8 @@ class Runner:
         return live_nbytes([self.batch.cache, *self.caches.values()])
 
     def probe_cost(self) -> CacheCost:
-        """Measure one request's cache bytes against its tokens on this model.
-
-        Fills fresh caches to a few lengths by a prefill (a multi-token update
-        may hold more than decoding does, e.g. a whole chunk in a window
-        cache), then decodes a token alone and, when requests decode batched,
-        merged into a batch of one; an upper bound is fitted to every sample.
-        """
-        vocab = max(1, self.model.vocab_size)
-        samples: dict[int, int] = {}
-
-        def sample(tokens: int, cache: list[Any]) -> None:
-            samples[tokens] = max(samples.get(tokens, 0), live_nbytes(cache))
-
-        def feed(tokens: list[int], cache: list[Any]) -> None:
-            inputs = mx.array([tokens], dtype=mx.int32)
-            mx.eval(self.model.model.last_logits(inputs, cache))
-
-        for length in probe_lengths(self.model.config):
-            cache = self.model.make_cache()
-            feed([(i * 31 + 7) % vocab for i in range(length)], cache)
-            sample(length, cache)
-            for step in range(1, PROBE_DECODE_STEPS + 1):
-                feed([step % vocab], cache)
-                sample(length + step, cache)
-            if self.batchable:
-                probe = DecodeBatch()
-                probe.add("probe", cache)
-                length += PROBE_DECODE_STEPS
-                sample(length, probe.cache)
-                for step in range(1, PROBE_DECODE_STEPS // 2 + 1):
-                    feed([step % vocab], probe.cache)
-                    sample(length + step, probe.cache)
-        return fit_cost(samples.items())
+        """This model's cache bytes against its tokens (see `memory.probe_cost`)."""
+        return probe_cost(self.model, self.batchable)
 
     def run(self, plan: StepPlan) -> StepResult:
         """One step: free, decode every running row in one forward, feed the chunks."""
@@ -230,7 +195,7 @@ class Runner:
         solo = plan.prefills
         if self.group_prefill and len(solo) > 1:
             settle()
-            solo = prefill_group(self, plan.prefills, result)
+            solo = self._prefill_group(plan.prefills, result)
         for chunk in solo:
             built = self._build_chunk(chunk, result)
             settle()  # the first chunk's graph is built: read the decode tokens now
@@ -280,6 +245,64 @@ class Runner:
             result.release_error = _describe(e)
 
     # -- prefill ------------------------------------------------------------
+    def _prefill_group(self, chunks: list[PrefillChunk], result: StepResult) -> list[PrefillChunk]:
+        """Whole fresh prompts in one forward (`prefill_group.py`); returns the chunks
+        left for solo prefills, in order. Fault points are checked per row first."""
+
+        def groupable(c: PrefillChunk) -> bool:
+            first = c.start == 0 and c.is_last and c.initial_cache is None
+            return first and c.request.request_id not in self.caches
+
+        group = pick_group(chunks, groupable)
+        ready = []
+        for chunk in group:
+            rid = chunk.request.request_id
+            try:
+                self.ensure_sampler(chunk.request)
+                self._check(faults.FORWARD, [rid])
+                self._check(faults.SAMPLE, [rid])
+            except Exception as e:  # a failing step fails its request, not the engine
+                logger.exception("prefill failed for request %s", rid)
+                self._prefill_failed(rid, e, result)
+                continue
+            ready.append(chunk)
+        done = {id(c) for c in group} - {id(c) for c in ready}
+        if len(ready) >= 2 and self._grouped(ready, result):
+            done |= {id(c) for c in ready}
+        return [c for c in chunks if id(c) not in done]
+
+    def _grouped(self, group: list[PrefillChunk], result: StepResult) -> bool:
+        """Run and sample one grouped forward; False (nothing changed) if it raised."""
+        started = time.perf_counter()
+        try:
+            forward: GroupedPrefill = grouped_forward(self.model, group)
+            sampled = self._sample(forward.logits, [c.request for c in group], check=False)
+        except Exception:  # each request is tried alone instead, so a bad one fails alone
+            logger.warning(
+                "a grouped prefill of %d requests failed; prefilling each alone",
+                len(group),
+                exc_info=True,
+            )
+            mx.clear_cache()
+            return False
+        result.prefill_chunks.append((forward.fed_tokens, time.perf_counter() - started))
+        for row, (chunk, drawn) in enumerate(zip(group, sampled, strict=True)):
+            rid = chunk.request.request_id
+            result.prefill_tokens += chunk.num_tokens
+            output = RequestOutput(rid, sampled=drawn, computed=chunk.end)
+            try:
+                self.caches[rid] = forward.row_cache(row)
+                if chunk.snapshot_after:
+                    key = chunk.request.context_ids[: chunk.end]
+                    output.snapshot = self._own_snapshot(rid, key)
+                self.joining.append(rid)
+            except Exception as e:  # a failing step fails its request, not the engine
+                logger.exception("prefill failed for request %s", rid)
+                self._forget([rid])
+                output = RequestOutput(rid, error=_describe(e))
+            result.outputs.append(output)
+        return True
+
     def _build_chunk(self, chunk: PrefillChunk, result: StepResult) -> _BuiltChunk | None:
         """A chunk's forward, built but not evaluated (None: it failed, and is reported)."""
         rid = chunk.request.request_id
