@@ -102,3 +102,13 @@ def test_a_branch_point_ram_keeps_stays_on_disk() -> None:
 def test_without_a_disk_nothing_changes(every: int) -> None:
     cache = PrefixCache(100, 4, copy=lambda s: list(s), offset=None, disk_every=every)
     assert cache.insert(_ids(5), ["x"], nbytes=1) and cache.flush_to_disk() == 0
+
+
+def test_an_entry_ram_has_no_room_for_goes_to_disk() -> None:
+    """Under memory pressure the RAM budget may be smaller than a snapshot: the disk
+    gets it (as if evicted at once), so the conversation survives the pressure."""
+    disk = RecordingDisk()
+    cache = _cache(disk, max_bytes=5)
+    assert not cache.insert(_ids(30), ["big"], nbytes=10)
+    assert disk.writes == [(30, frozenset())] and cache.stats().rejected == 1
+    assert not cache.insert([], ["empty"], nbytes=1) and len(disk.writes) == 1

@@ -287,9 +287,10 @@ class DiskTier:
         snapshot, staged.snapshot = staged.snapshot, None
         try:
             encoded = encode(snapshot or [])
-        except (ValueError, TypeError) as e:
-            logger.warning("prefix-cache disk tier: cannot store this snapshot: %s", e)
+        except Exception:  # an unstorable snapshot (or no memory to read it) loses its write
+            logger.exception("prefix-cache disk tier: cannot store this snapshot")
             with self._lock:
+                self._counters.dropped_writes += 1
                 self._forget(staged.node, staged.entry)
             return
         nbytes = sum(t.data.nbytes for t in encoded.tensors if isinstance(t.data, memoryview))

@@ -212,9 +212,16 @@ class PrefixCache:
             raise ValueError("nbytes must be >= 0")
         key = pack(key_ids)
         with self._lock:
-            if not key or size > self.max_bytes or self.max_entries == 0:
+            fits = bool(key) and size <= self.max_bytes and self.max_entries > 0
+            if not fits:
                 self._rejected += 1
-                return False
+                kept = [n.entry.key_len for n in self._trie.path_nodes(key) if n.entry]
+        if not fits:
+            if key and self.disk is not None:
+                # No room in RAM (memory pressure): as if evicted at once, it goes to disk.
+                self._write([(list(key_ids), snapshot, kept)])
+            return False
+        with self._lock:
             node, prefixes = self._trie.node_for(key)
             if node.entry is not None:  # identical key: replace in place
                 self._bytes -= self._lru.pop(node).nbytes
