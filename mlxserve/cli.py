@@ -230,6 +230,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.disk_cache:run")
 
+    p = bsub.add_parser("soak", help="agents on all three dialects against a real server")
+    p.add_argument("--model", default=None, help="model dir (default: tiny 4-bit deepseek_v4)")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--agents", type=int, default=6)
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.soak:run")
+
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)

@@ -94,3 +94,17 @@ def test_bench_disk_cache_reports_its_keys(tmp_path: Path, model_dir_factory) ->
     for key in ("restored_ttft_over_cold", "restored_ttft_over_ram_hit", "warm_turn_ttft_s"):
         assert figures[key] > 0
     assert 0 < figures["disk_bytes"] <= figures["disk_budget_bytes"]
+
+
+def test_bench_soak_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    """A short soak on the tiny DeepSeek-V4; the acceptance run is 10 minutes, 6 agents."""
+    out = tmp_path / "soak.json"
+    model = str(model_dir_factory("deepseek_v4"))
+    args = ["bench", "soak", "--model", model, "--minutes", "0.25", "--agents", "3"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["unexpected_errors"] == 0, figures["unexpected_examples"]
+    assert figures["requests_ok"] > 0
+    assert figures["requests_failed"] == figures["bad_requests_sent"]
+    for key in ("hit_ratio", "ttft_p50", "ttft_p99", "rss_start_mb", "rss_end_mb", "rss_growth"):
+        assert figures[key] > 0
