@@ -189,3 +189,23 @@ def history_message(msg: Any) -> dict[str, Any]:
     if calls:
         out["tool_calls"] = calls
     return out
+
+
+def serve_in_thread(
+    args: argparse.Namespace, loader: Callable[[], LoadedModel]
+) -> tuple[Any, threading.Thread, list[int]]:
+    """`serve_app` (what `mlxserve serve` runs) in a thread: its state, the thread, and
+    the list its exit status lands in; returns once the model is ready."""
+    from mlxserve.api.serve import serve_app
+
+    app, state = build_app(args, loader=loader)
+    result: list[int] = []
+    thread = threading.Thread(
+        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
+        daemon=True,
+    )
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not state.engine.ready and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return state, thread, result

@@ -126,3 +126,18 @@ class Wedge(ModelWrapper):
         if self.armed.is_set() and not self.release.is_set():
             self.entered.set()
             self.release.wait()
+
+
+def wrapped_loader(path: Any, wrapper: type, **kw: Any) -> tuple[Any, dict[str, Any]]:
+    """A loader whose model is wrapped in `wrapper(model, **kw)`; the wrapper lands in
+    the returned holder's "model" once the engine has loaded it."""
+    holder: dict[str, Any] = {}
+
+    def loader() -> LoadedModel:
+        from mlxserve.models import load
+
+        model = load(path)
+        model.model = holder["model"] = wrapper(model.model, **kw)
+        return model
+
+    return loader, holder

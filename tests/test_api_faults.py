@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-from api_fixtures import ServerThread, assert_error_shape, chat_body, serve_args
-from engine_helpers import KillSwitch, ModelWrapper, SlowModel, idle, wait_until
+from api_fixtures import (
+    ServerThread,
+    assert_error_shape,
+    chat_body,
+    serve_args,
+    serve_in_thread,
+)
+from engine_helpers import KillSwitch, ModelWrapper, SlowModel, idle, wait_until, wrapped_loader
 
-from mlxserve.api.serve import build_app, serve_app
-from mlxserve.models import load
 from mlxserve.models.scripted import scripted_model
 
 pytestmark = pytest.mark.slow
@@ -29,17 +32,6 @@ class Broken(ModelWrapper):
             raise RuntimeError("broken forward")
 
 
-def _wrapped(path: Any, wrapper: type, **kw: Any) -> tuple[Any, dict[str, Any]]:
-    holder: dict[str, Any] = {}
-
-    def loader() -> Any:
-        model = load(path)
-        model.model = holder["model"] = wrapper(model.model, **kw)
-        return model
-
-    return loader, holder
-
-
 def _sse_lines(response: httpx.Response) -> Iterator[str]:
     for line in response.iter_lines():
         if line:
@@ -47,7 +39,7 @@ def _sse_lines(response: httpx.Response) -> Iterator[str]:
 
 
 def test_a_dead_engine_fails_open_streams_and_health_says_so(model_dir_factory) -> None:
-    loader, holder = _wrapped(model_dir_factory("llama"), KillSwitch)
+    loader, holder = wrapped_loader(model_dir_factory("llama"), KillSwitch)
     args = serve_args("--no-exit-on-engine-failure")
     with ServerThread(args, loader) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
@@ -69,17 +61,11 @@ def test_a_dead_engine_fails_open_streams_and_health_says_so(model_dir_factory) 
 
 
 def test_exit_on_engine_failure_ends_the_server_non_zero(model_dir_factory) -> None:
-    loader, holder = _wrapped(model_dir_factory("llama"), KillSwitch)
+    loader, holder = wrapped_loader(model_dir_factory("llama"), KillSwitch)
     args = serve_args()
-    app, state = build_app(args, loader=loader)
-    result: list[int] = []
-    thread = threading.Thread(
-        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
-        daemon=True,
-    )
-    thread.start()
+    state, thread, result = serve_in_thread(args, loader)
     url = f"http://{args.host}:{args.port}"
-    assert wait_until(lambda: state.engine.ready, timeout=120)
+    assert state.engine.ready
     assert wait_until(lambda: _health(url) == 200, timeout=30)
     holder["model"].armed.set()
     with httpx.Client(base_url=url, timeout=30) as http:
@@ -97,7 +83,8 @@ def _health(url: str) -> int:
 
 
 def test_keepalive_comments_flow_while_a_prompt_prefills(model_dir_factory) -> None:
-    loader, holder = _wrapped(model_dir_factory("llama"), SlowModel, delay_s=0.5, prefill_only=True)
+    path = model_dir_factory("llama")
+    loader, holder = wrapped_loader(path, SlowModel, delay_s=0.5, prefill_only=True)
     with ServerThread(serve_args("--keepalive-interval", "0.05"), loader) as srv:
         holder["model"].armed = True
         raw = b""
@@ -131,7 +118,7 @@ def test_a_stop_string_is_a_normal_stop() -> None:
 
 @pytest.fixture(scope="module")
 def llama_server(model_dir_factory) -> Iterator[ServerThread]:
-    loader, _ = _wrapped(model_dir_factory("llama"), Broken)
+    loader, _ = wrapped_loader(model_dir_factory("llama"), Broken)
     with ServerThread(serve_args("--max-num-seqs", "8"), loader) as srv:
         yield srv
 

@@ -17,6 +17,7 @@ from engine_helpers import (
     started_engine,
     tokens_of,
     wait_until,
+    wrapped_loader,
 )
 
 from mlxserve.config import EngineConfig
@@ -176,19 +177,8 @@ def test_a_persistent_fault_does_not_spin(model_dir_factory) -> None:
     asyncio.run(main())
 
 
-def _killable(path):
-    holder: dict[str, KillSwitch] = {}
-
-    def loader():
-        model = load(path)
-        model.model = holder["switch"] = KillSwitch(model.model)
-        return model
-
-    return loader, holder
-
-
 def test_a_dead_engine_thread_fails_every_open_request_at_once(model_dir_factory) -> None:
-    loader, holder = _killable(model_dir_factory("llama"))
+    loader, holder = wrapped_loader(model_dir_factory("llama"), KillSwitch)
 
     async def main() -> None:
         engine = await started_engine(EngineConfig(max_num_seqs=2), loader)
@@ -198,7 +188,7 @@ def test_a_dead_engine_thread_fails_every_open_request_at_once(model_dir_factory
             ]
             first = await anext(streams[0])
             assert first.token_id is not None
-            holder["switch"].armed.set()
+            holder["model"].armed.set()
             killed_at = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*(timed(s) for s in streams)), 5)
             for events, finished_at in results:

@@ -8,34 +8,24 @@ non-zero for its supervisor.
 from __future__ import annotations
 
 import asyncio
-import threading
 from typing import Any
 
 import httpx
 import pytest
-from api_fixtures import ServerThread, chat_body, serve_args
-from engine_helpers import Wedge, collect, wait_until
+from api_fixtures import ServerThread, chat_body, serve_args, serve_in_thread
+from engine_helpers import Wedge, collect, wrapped_loader
 
-from mlxserve.api.serve import build_app, serve_app
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.request import EngineNotReady, SamplingParams
-from mlxserve.models import load
 
 pytestmark = pytest.mark.slow
 
 STEP_TIMEOUT = "0.5"
 
 
-def _wedged(path: Any) -> tuple[Any, dict[str, Wedge]]:
-    holder: dict[str, Wedge] = {}
-
-    def loader() -> Any:
-        model = load(path)
-        model.model = holder["model"] = Wedge(model.model)
-        return model
-
-    return loader, holder
+def _wedged(path: Any) -> tuple[Any, dict[str, Any]]:
+    return wrapped_loader(path, Wedge)
 
 
 def test_a_stalled_step_fails_every_open_request(model_dir_factory) -> None:
@@ -91,15 +81,9 @@ def test_health_and_metrics_say_stalled(model_dir_factory) -> None:
 def test_a_stall_ends_the_server_non_zero_when_exit_is_on(model_dir_factory) -> None:
     loader, holder = _wedged(model_dir_factory("llama"))
     args = serve_args("--step-timeout", STEP_TIMEOUT)
-    app, state = build_app(args, loader=loader)
-    result: list[int] = []
-    thread = threading.Thread(
-        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
-        daemon=True,
-    )
-    thread.start()
+    state, thread, result = serve_in_thread(args, loader)
     url = f"http://{args.host}:{args.port}"
-    assert wait_until(lambda: state.engine.ready, timeout=120)
+    assert state.engine.ready
     wedge = holder["model"]
     try:
         wedge.armed.set()
