@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 from api_fixtures import ServerThread, chat_body, serve_args, serve_in_thread
-from engine_helpers import Wedge, collect, wrapped_loader
+from engine_helpers import Wedge, collect, wait_until, wrapped_loader
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
@@ -94,3 +94,62 @@ def test_a_stall_ends_the_server_non_zero_when_exit_is_on(model_dir_factory) -> 
         assert result == [1]
     finally:
         wedge.release.set()
+
+
+_WEDGED_SERVE = """
+import sys, threading
+import mlxserve.models as models
+from mlxserve.cli import main
+
+real_load = models.load
+
+class Wedged:
+    def __init__(self, inner):
+        self.inner = inner
+    def __call__(self, inputs, cache=None):
+        return self.inner(inputs, cache)
+    def last_logits(self, inputs, cache=None):
+        if inputs.shape[1] == 3:  # the test's prompt: this forward never returns
+            threading.Event().wait()
+        return self.inner.last_logits(inputs, cache)
+
+def load(*args, **kw):
+    model = real_load(*args, **kw)
+    model.model = Wedged(model.model)
+    return model
+
+models.load = load
+sys.exit(main(["serve", sys.argv[1], "--port", sys.argv[2], "--step-timeout", "1",
+               "--log-level", "warning"]))
+"""
+
+
+def test_a_stalled_server_process_exits_non_zero(model_dir_factory) -> None:
+    """What a supervisor sees: the `mlxserve serve` process itself ends with status 1."""
+    import subprocess
+    import sys
+
+    from api_fixtures import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-c", _WEDGED_SERVE, str(model_dir_factory("llama")), str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: _status(url) == 200, timeout=120)
+        body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code >= 500
+        assert proc.wait(timeout=60) == 1
+        assert "engine stalled" in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _status(url: str) -> int:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code
+    except httpx.TransportError:
+        return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -127,7 +128,13 @@ def run(args: argparse.Namespace) -> int:
             "listening on %s without --api-key: anyone on the network can use it", args.host
         )
     logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
-    return serve_app(app, state, args.host, args.port, str(args.log_level).lower())
+    status = serve_app(app, state, args.host, args.port, str(args.log_level).lower())
+    if state.engine.stats().get("stalled"):
+        # The engine thread is stuck inside MLX: interpreter shutdown could wait on it or
+        # abort in a C++ destructor, so the process leaves now, with its status.
+        logging.shutdown()
+        os._exit(status)
+    return status
 
 
 def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level: str) -> int:
