@@ -106,5 +106,6 @@ def test_bench_soak_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
     assert figures["unexpected_errors"] == 0, figures["unexpected_examples"]
     assert figures["requests_ok"] > 0
     assert figures["requests_failed"] == figures["bad_requests_sent"]
-    for key in ("hit_ratio", "ttft_p50", "ttft_p99", "rss_start_mb", "rss_end_mb", "rss_growth"):
+    assert 0 <= figures["hit_ratio"] <= 1  # the 10-minute run is where it is judged
+    for key in ("ttft_p50", "ttft_p99", "rss_start_mb", "rss_end_mb", "rss_growth"):
         assert figures[key] > 0
