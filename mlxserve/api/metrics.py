@@ -55,6 +55,14 @@ class _EngineCollector(Collector):
             "Bytes of KV cache held by the requests in flight.",
             _num(stats, "kv_cache_bytes"),
         )
+        yield _gauge(
+            f"{p}_mlx_active_bytes", "Bytes of MLX arrays alive.", _num(stats, "mlx_active_bytes")
+        )
+        yield _gauge(
+            f"{p}_mlx_cache_bytes",
+            "Bytes of freed buffers MLX keeps for reuse.",
+            _num(stats, "mlx_cache_bytes"),
+        )
         for key in ("hits", "misses", "tokens_reused"):
             yield CounterMetricFamily(
                 f"{p}_prefix_cache_{key}",

@@ -242,6 +242,15 @@ async def _agent(index: int, url: str, deadline: float, tally: Tally) -> None:
                 session.turns.append((call_id, f"src/m{turn}.py", _rng_text(rng, 60)))
 
 
+def _cache_stats(url: str) -> dict[str, Any]:
+    stats: dict[str, Any] = httpx.get(url + "/v1/cache/stats", timeout=30).json()
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        for name in ("mlx_active_bytes", "mlx_cache_bytes"):
+            if line.startswith(f"mlxserve_{name} "):
+                stats[name] = float(line.split()[1])
+    return stats
+
+
 def _rss_mb(pid: int) -> float:
     out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
     return int(out.stdout.strip() or 0) / 1024
@@ -254,9 +263,9 @@ async def _drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]
     deadline = started + args.minutes * 60
     agents = [asyncio.create_task(_agent(i, url, deadline, tally)) for i in range(args.agents)]
     await asyncio.sleep(args.minutes * 60 / 5)
-    rss_warm = _rss_mb(pid)
+    rss_warm, cache_warm = _rss_mb(pid), _cache_stats(url)
     await asyncio.gather(*agents)
-    rss_end = _rss_mb(pid)
+    rss_end, cache_end = _rss_mb(pid), _cache_stats(url)
     ttfts = sorted(tally.ttfts) or [0.0]
     return {
         "minutes": args.minutes,
@@ -274,6 +283,15 @@ async def _drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]
         "rss_warm_mb": rss_warm,
         "rss_end_mb": rss_end,
         "rss_growth": rss_end / rss_warm if rss_warm else 0.0,
+        # What the bounded caches held then: growth there is a cache filling up.
+        "prefix_cache_entries_warm": cache_warm.get("entries", 0),
+        "prefix_cache_entries_end": cache_end.get("entries", 0),
+        "prefix_cache_mb_warm": cache_warm.get("bytes", 0) / 2**20,
+        "prefix_cache_mb_end": cache_end.get("bytes", 0) / 2**20,
+        "mlx_active_mb_warm": cache_warm.get("mlx_active_bytes", 0) / 2**20,
+        "mlx_active_mb_end": cache_end.get("mlx_active_bytes", 0) / 2**20,
+        "mlx_cache_mb_warm": cache_warm.get("mlx_cache_bytes", 0) / 2**20,
+        "mlx_cache_mb_end": cache_end.get("mlx_cache_bytes", 0) / 2**20,
     }
 
 

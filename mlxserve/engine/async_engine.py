@@ -254,6 +254,8 @@ class AsyncEngine:
             "cache_bytes": core.cache_bytes,
             "peak_cache_bytes": core.peak_cache_bytes,
             "kv_cache_bytes": core.kv_bytes,
+            "mlx_active_bytes": core.mlx_active_bytes,
+            "mlx_cache_bytes": core.mlx_cache_bytes,
         }
         if scheduler is not None:
             stats.update(asdict(scheduler.counters))

@@ -115,6 +115,8 @@ class EngineCore:
         self.kv_bytes = 0
         self.cache_bytes = 0
         self.peak_cache_bytes = 0
+        self.mlx_active_bytes = 0
+        self.mlx_cache_bytes = 0
 
     # -- called from other threads -----------------------------------------
     def start(self) -> None:
@@ -369,6 +371,9 @@ class EngineCore:
             return
         self.cache_bytes = held
         self.peak_cache_bytes = max(self.peak_cache_bytes, held)
+        # What MLX's allocator holds: arrays alive, and freed buffers kept for reuse.
+        self.mlx_active_bytes = int(mx.get_active_memory())
+        self.mlx_cache_bytes = int(mx.get_cache_memory())
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""
