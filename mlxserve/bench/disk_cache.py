@@ -24,15 +24,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from mlxserve.bench.prefix_cache import synthetic_tokens
+from mlxserve.bench.prefix_cache import TimedRequest, synthetic_tokens, timed_request
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
-from mlxserve.engine.request import SamplingParams
 from mlxserve.models.load import load, read_config
 
 TURNS = 8
@@ -58,19 +56,8 @@ def quantized_tiny(family: str, root: Path) -> Path:
     return out
 
 
-async def _turn(engine: AsyncEngine, prompt: list[int]) -> tuple[float, list[int], int]:
-    """TTFT, the reply's tokens, and the prompt tokens served from cache."""
-    params = SamplingParams(max_tokens=REPLY_TOKENS, ignore_eos=True)
-    start = time.perf_counter()
-    ttft, cached = 0.0, 0
-    reply: list[int] = []
-    async for event in engine.submit(prompt, params):
-        if event.token_id is not None:
-            if not reply:
-                ttft = time.perf_counter() - start
-            reply.append(event.token_id)
-        cached = event.cached_tokens
-    return ttft, reply, cached
+async def _turn(engine: AsyncEngine, prompt: list[int]) -> TimedRequest:
+    return await timed_request(engine, prompt, REPLY_TOKENS)
 
 
 async def _started(path: Path, config: EngineConfig) -> AsyncEngine:

@@ -8,7 +8,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
@@ -28,20 +28,25 @@ def synthetic_tokens(seed: int, count: int, vocab: int) -> list[int]:
     return [(seed * 7919 + i * 104_729) % (vocab - 200) + 100 for i in range(count)]
 
 
-async def _timed(
-    engine: AsyncEngine, prompt: list[int], max_tokens: int
-) -> tuple[float, list[int]]:
-    """TTFT and generated tokens of one request."""
+class TimedRequest(NamedTuple):
+    ttft: float
+    tokens: list[int]
+    cached: int  # prompt tokens served from the prefix cache
+
+
+async def timed_request(engine: AsyncEngine, prompt: list[int], max_tokens: int) -> TimedRequest:
+    """TTFT, generated tokens and cached prompt tokens of one request."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
-    ttft = 0.0
+    ttft, cached = 0.0, 0
     tokens: list[int] = []
     async for event in engine.submit(prompt, params):
         if event.token_id is not None:
             if not tokens:
                 ttft = time.perf_counter() - start
             tokens.append(event.token_id)
-    return ttft, tokens
+        cached = event.cached_tokens
+    return TimedRequest(ttft, tokens, cached)
 
 
 async def _long_prefix(path: Path, prefix_tokens: int) -> dict[str, Any]:
@@ -52,13 +57,14 @@ async def _long_prefix(path: Path, prefix_tokens: int) -> dict[str, Any]:
     prefix = synthetic_tokens(1, prefix_tokens, vocab)
     try:
         first = prefix + synthetic_tokens(2, SUFFIX_TOKENS, vocab)
-        cold, reply = await _timed(engine, first, 8)
+        cold, reply, _ = await timed_request(engine, first, 8)
         follow_up = first + reply + synthetic_tokens(3, 64, vocab)
-        warm, _ = await _timed(engine, follow_up, 8)
+        warm = (await timed_request(engine, follow_up, 8)).ttft
         # A second conversation branches off the shared prefix (the engine snapshots
         # there); a third one then reuses it.
-        await _timed(engine, prefix + synthetic_tokens(4, SUFFIX_TOKENS, vocab), 2)
-        shared, _ = await _timed(engine, prefix + synthetic_tokens(5, SUFFIX_TOKENS, vocab), 2)
+        await timed_request(engine, prefix + synthetic_tokens(4, SUFFIX_TOKENS, vocab), 2)
+        second = prefix + synthetic_tokens(5, SUFFIX_TOKENS, vocab)
+        shared = (await timed_request(engine, second, 2)).ttft
     finally:
         await engine.shutdown()
     return {
@@ -81,7 +87,7 @@ async def _session(path: Path) -> dict[str, Any]:
     try:
         for turn in range(SESSION_TURNS):
             before = engine.stats()["prefilled_tokens"]
-            ttft, reply = await _timed(engine, prompt, REPLY_TOKENS)
+            ttft, reply, _ = await timed_request(engine, prompt, REPLY_TOKENS)
             prefilled.append(engine.stats()["prefilled_tokens"] - before)
             ttfts.append(ttft)
             added = reply + synthetic_tokens(20 + turn, TOOL_RESULT_TOKENS, vocab)

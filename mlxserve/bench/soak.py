@@ -22,10 +22,8 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -36,7 +34,7 @@ import httpx
 
 from mlxserve.bench.report import emit
 
-MODEL = "soak"
+MODEL = "bench"  # the name `LocalServer` serves
 TURNS_PER_SESSION = 6
 MAX_TOKENS = 24
 DISCONNECT_EVERY = 7
@@ -295,61 +293,14 @@ async def _drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]
     }
 
 
-def _serve(model: Path, port: int) -> subprocess.Popen[str]:
-    argv = [
-        sys.executable,
-        "-m",
-        "mlxserve.cli",
-        "serve",
-        str(model),
-        "--port",
-        str(port),
-        "--served-model-name",
-        MODEL,
-        "--log-level",
-        "warning",
-    ]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.TransportError:  # not listening yet
-        return False
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            error = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"mlxserve serve exited: {error[-2000:]}")
-        if _healthy(url):
-            return
-        time.sleep(0.5)
-    raise TimeoutError("the server did not become ready")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(args: argparse.Namespace) -> int:
     from mlxserve.bench.disk_cache import quantized_tiny
+    from mlxserve.bench.serve import LocalServer
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(args.model) if args.model else quantized_tiny("deepseek_v4", Path(tmp))
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = _serve(model, port)
-        try:
-            _wait_healthy(url, proc)
-            figures = asyncio.run(_drive(url, proc.pid, args))
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+        with LocalServer(str(model), max_num_seqs=8) as server:
+            assert server.process is not None
+            figures = asyncio.run(_drive(server.url, server.process.pid, args))
     emit("soak", figures, args.json)
     return 0

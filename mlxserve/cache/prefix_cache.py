@@ -215,7 +215,7 @@ class PrefixCache:
             fits = bool(key) and size <= self.max_bytes and self.max_entries > 0
             if not fits:
                 self._rejected += 1
-                kept = [n.entry.key_len for n in self._trie.path_nodes(key) if n.entry]
+                kept = self._held_prefixes(key)
         if not fits:
             if key and self.disk is not None:
                 # No room in RAM (memory pressure): as if evicted at once, it goes to disk.
@@ -276,9 +276,14 @@ class PrefixCache:
 
     def _pending_write(self, node: Node) -> _Write:
         key = self._trie.key_of(node)
-        path = self._trie.path_nodes(key)[:-1]
-        kept = [n.entry.key_len for n in path if n.entry is not None]
-        return unpack(key), node.entry.snapshot, kept
+        return unpack(key), node.entry.snapshot, self._held_prefixes(key)
+
+    def _held_prefixes(self, key: bytes) -> list[int]:
+        """Lengths of the entries RAM holds on strict prefixes of `key` (under the lock):
+        they stay on disk when an entry for `key` is written."""
+        tokens = len(key) // TOKEN_BYTES
+        found = (n.entry.key_len for n in self._trie.path_nodes(key) if n.entry is not None)
+        return [length for length in found if length < tokens]
 
     def flush_to_disk(self) -> int:
         """Write every entry that is not on disk yet (at shutdown); returns how many."""

@@ -261,6 +261,6 @@ class AsyncEngine:
             stats.update(asdict(scheduler.counters))
         prefix_cache = self._core.prefix_cache
         stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache else None
-        disk = prefix_cache.disk if prefix_cache is not None else None
+        disk = self._core.disk
         stats["prefix_cache_disk"] = asdict(disk.stats()) if disk is not None else None
         return stats

@@ -143,13 +143,17 @@ class EngineCore:
             return  # its thread is stuck in a step: nothing to wait for
         if self._thread.is_alive():
             # At shutdown the disk tier writes what RAM holds that it does not.
-            disk = self.prefix_cache.disk if self.prefix_cache is not None else None
-            self._thread.join(timeout + (DISK_CLOSE_TIMEOUT_S if disk is not None else 0))
+            self._thread.join(timeout + (DISK_CLOSE_TIMEOUT_S if self.disk is not None else 0))
 
     @property
     def pending_adds(self) -> int:
         """Requests submitted that the engine thread has not taken in yet."""
         return self._pending_adds
+
+    @property
+    def disk(self) -> DiskTier | None:
+        """The prefix cache's disk tier, when `--prefix-cache-dir` turned it on."""
+        return self.prefix_cache.disk if self.prefix_cache is not None else None
 
     @property
     def alive(self) -> bool:
@@ -230,13 +234,13 @@ class EngineCore:
 
     def _close_disk(self) -> None:
         """At a stop: write what only RAM holds, then wait for the writer."""
-        cache = self.prefix_cache
-        if cache is None or cache.disk is None:
+        cache, disk = self.prefix_cache, self.disk
+        if cache is None or disk is None:
             return
         try:
             written = cache.flush_to_disk()
             logger.info("writing %d prefix-cache entries to disk before exit", written)
-            cache.disk.close(DISK_CLOSE_TIMEOUT_S)
+            disk.close(DISK_CLOSE_TIMEOUT_S)
         except Exception:  # the process is stopping; what was written stays usable
             logger.exception("closing the prefix cache's disk tier failed")
 
@@ -275,7 +279,7 @@ class EngineCore:
     def _loop(self) -> None:
         scheduler, runner = self.scheduler, self.runner
         assert scheduler is not None and runner is not None
-        disk = self.prefix_cache.disk if self.prefix_cache is not None else None
+        disk = self.disk
         while True:
             # Finished requests are freed by the next run: step once more before idling.
             idle = not scheduler.has_work
