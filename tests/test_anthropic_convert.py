@@ -7,16 +7,17 @@ from typing import Any
 
 import pytest
 
-from mlxserve.api.anthropic_convert import (
+from mlxserve.api.anthropic.convert import (
     openai_messages,
     prompt_request,
     to_generation,
 )
-from mlxserve.api.anthropic_events import MessageEvents, MessageMeta, message_body, stop_reason
-from mlxserve.api.anthropic_protocol import MessagesRequest
+from mlxserve.api.anthropic.events import MessageEvents, MessageMeta, stop_reason
+from mlxserve.api.anthropic.protocol import MessagesRequest
 from mlxserve.api.errors import APIError
 from mlxserve.api.pipeline import Accumulator, OutputDelta, ToolCallDelta, Usage
 from mlxserve.api.sealed import seal_reasoning, unseal_reasoning
+from mlxserve.api.writer import RunEnd
 
 
 def _req(**fields: Any) -> MessagesRequest:
@@ -287,10 +288,11 @@ def test_event_order_for_reasoning_then_a_tool_call() -> None:
     events += writer.delta(OutputDelta(tool_calls=[ToolCallDelta(0, arguments='{"path"')]))
     events += writer.delta(OutputDelta(tool_calls=[ToolCallDelta(0, arguments=': "a"}')]))
     events += writer.finish(
-        "tool_calls", None, Usage(prompt_tokens=10, completion_tokens=7, cached_tokens=4)
+        RunEnd("tool_calls", None, Usage(prompt_tokens=10, completion_tokens=7, cached_tokens=4))
     )
     assert _names(events) == [
         "message_start",
+        "ping",
         "start:thinking",
         "thinking_delta",
         "thinking_delta",
@@ -330,13 +332,13 @@ def test_text_blocks_and_whitespace() -> None:
     # An answer of only whitespace is still sent, not dropped.
     spaces = MessageEvents(META)
     spaces.delta(OutputDelta(content="\n"))
-    tail = spaces.finish("stop", None, Usage())
+    tail = spaces.finish(RunEnd("stop", None, Usage()))
     assert [d["delta"]["text"] for n, d in tail if n == "content_block_delta"] == ["\n"]
 
 
 def test_empty_output_still_has_one_block_and_hidden_thinking_sends_no_text() -> None:
     writer = MessageEvents(META)
-    assert _names(writer.finish("length", None, Usage())) == [
+    assert _names(writer.finish(RunEnd("length", None, Usage()))) == [
         "start:text",
         "content_block_stop",
         "message_delta",
@@ -344,7 +346,7 @@ def test_empty_output_still_has_one_block_and_hidden_thinking_sends_no_text() ->
     ]
     hidden = MessageEvents(MessageMeta(id="msg_2", model="m", show_thinking=False))
     names = _names(
-        hidden.delta(OutputDelta(reasoning="secret")) + hidden.finish("stop", None, Usage())
+        hidden.delta(OutputDelta(reasoning="secret")) + hidden.finish(RunEnd("stop", None, Usage()))
     )
     assert "thinking_delta" not in names and "signature_delta" in names
 
@@ -363,6 +365,12 @@ def test_stop_reasons(finish: str | None, stop: str | None, expected: str) -> No
     assert stop_reason(finish, stop) == expected
 
 
+def _message_body(
+    meta: MessageMeta, acc: Accumulator, usage: Usage, stop: str | None
+) -> dict[str, Any]:
+    return MessageEvents(meta).body(acc, RunEnd(acc.finish_reason or "stop", stop, usage))
+
+
 def test_message_body_matches_the_stream() -> None:
     acc = Accumulator()
     deltas = [
@@ -373,7 +381,7 @@ def test_message_body_matches_the_stream() -> None:
     ]
     for delta in deltas:
         acc.add(delta)
-    body = message_body(META, acc, Usage(prompt_tokens=3, completion_tokens=5), None)
+    body = _message_body(META, acc, Usage(prompt_tokens=3, completion_tokens=5), None)
     assert [b["type"] for b in body["content"]] == ["thinking", "tool_use"]
     assert body["content"][1] == {
         "type": "tool_use",
@@ -382,7 +390,7 @@ def test_message_body_matches_the_stream() -> None:
         "input": {"path": "a"},
     }
     assert body["stop_reason"] == "tool_use"
-    hidden = message_body(MessageMeta("msg_1", "m", show_thinking=False), acc, Usage(), None)
+    hidden = _message_body(MessageMeta("msg_1", "m", show_thinking=False), acc, Usage(), None)
     assert hidden["content"][0]["thinking"] == ""
     assert unseal_reasoning(hidden["content"][0]["signature"]) == "Think."
 
@@ -428,8 +436,8 @@ def test_message_body_keeps_the_order_of_text_and_tool_calls() -> None:
     for delta in deltas:
         events += writer.delta(delta)
         acc.add(delta)
-    events += writer.finish("tool_calls", None, Usage())
-    body = message_body(META, acc, Usage(), None)
+    events += writer.finish(RunEnd("tool_calls", None, Usage()))
+    body = _message_body(META, acc, Usage(), None)
     kinds = ["thinking", "text", "tool_use", "text", "tool_use", "text"]
     assert [b["type"] for b in body["content"]] == kinds
     assert body["content"] == _folded(events)
@@ -444,7 +452,7 @@ def test_a_discarded_call_leaves_the_message_and_its_text_joins() -> None:
         OutputDelta(finish_reason="stop"),
     ]:
         acc.add(delta)
-    body = message_body(META, acc, Usage(), None)
+    body = _message_body(META, acc, Usage(), None)
     assert body["content"] == [{"type": "text", "text": "Reading. <broken call>"}]
 
 
@@ -460,7 +468,7 @@ def test_v41_takes_client_effort_names() -> None:
 
 
 class _FakeRun:
-    """What `_events` reads of a GenerationRun: its pipeline's usage and its deltas."""
+    """What `stream_run` reads of a GenerationRun: its pipeline's usage and its deltas."""
 
     def __init__(self, deltas: list[OutputDelta], wait_s: float = 0.0, fail: bool = False) -> None:
         from types import SimpleNamespace
@@ -485,10 +493,10 @@ class _FakeRun:
 def _stream_names(run: _FakeRun, keepalive_s: float) -> list[str]:
     import asyncio
 
-    from mlxserve.api.anthropic_routes import _events
+    from mlxserve.api.writer import stream_run
 
     async def main() -> list[bytes]:
-        return [chunk async for chunk in _events(run, MessageEvents(META), keepalive_s)]  # type: ignore[arg-type]
+        return [chunk async for chunk in stream_run(run, MessageEvents(META), keepalive_s)]  # type: ignore[arg-type]
 
     chunks = asyncio.run(main())
     return [c.decode().split("\n", 1)[0].removeprefix("event: ") for c in chunks]

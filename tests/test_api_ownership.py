@@ -15,7 +15,10 @@ import pytest
 from api_fixtures import ServerThread, serve_args
 from engine_helpers import idle, wait_until
 
-from mlxserve.api import anthropic_routes, handlers, responses_routes
+from mlxserve.api import writer
+from mlxserve.api.anthropic import routes as anthropic_routes
+from mlxserve.api.openai import routes as openai_routes
+from mlxserve.api.responses import routes as responses_routes
 from mlxserve.models import load
 
 pytestmark = pytest.mark.slow
@@ -43,10 +46,10 @@ def _raise(*_: Any, **__: Any) -> Any:
 
 # (route, the name patched to raise: a point between submit and the first byte)
 POINTS = [
-    ("/v1/chat/completions", handlers.GenerationRun, "respond"),
-    ("/v1/completions", handlers.GenerationRun, "respond"),
+    ("/v1/chat/completions", openai_routes, "_writer"),
+    ("/v1/completions", openai_routes, "respond"),
     ("/v1/messages", anthropic_routes, "MessageMeta"),
-    ("/v1/messages", anthropic_routes.GenerationRun, "stream_response"),
+    ("/v1/messages", writer, "_GuardedStream"),
     ("/v1/responses", responses_routes, "ResponseShell"),
     ("/v1/responses", responses_routes, "_token_counter"),
 ]
@@ -83,7 +86,7 @@ CASES = [
     (*point, stream)
     for point in POINTS
     for stream in (False, True)
-    if stream or point[2] != "stream_response"
+    if stream or point[2] != "_GuardedStream"
 ]
 
 

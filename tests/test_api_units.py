@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 
+from mlxserve.api.body import parse_body
 from mlxserve.api.errors import APIError
 from mlxserve.api.metrics import Metrics
+from mlxserve.api.openai.convert import chat_generation, single_prompt
+from mlxserve.api.openai.events import ResponseMeta, chat_delta_chunk, chat_response
+from mlxserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputPipeline
-from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from mlxserve.api.stops import StopMatcher
-from mlxserve.api.stream import ResponseMeta, chat_delta_chunk, chat_response
 from mlxserve.engine.request import TokenEvent
 from mlxserve.parsers import preset
 
@@ -222,7 +224,7 @@ def test_protocol_accepts_unknown_fields_and_refuses_unsupported() -> None:
         ChatCompletionRequest, json.dumps({**body, "tool_choice": "required"}).encode()
     )
     with pytest.raises(APIError, match="no tools are given"):
-        req.check_supported()
+        chat_generation(req)
     req = parse_body(ChatCompletionRequest, json.dumps({**body, "n": 2}).encode())
     with pytest.raises(APIError, match="n > 1"):
         req.check_supported()
@@ -231,7 +233,7 @@ def test_protocol_accepts_unknown_fields_and_refuses_unsupported() -> None:
 def test_completion_prompt_forms() -> None:
     def single(prompt: Any) -> Any:
         body = json.dumps({"prompt": prompt}).encode()
-        return parse_body(CompletionRequest, body).single_prompt()
+        return single_prompt(parse_body(CompletionRequest, body))
 
     assert single("hi") == "hi"
     assert single([1, 2, 3]) == [1, 2, 3]

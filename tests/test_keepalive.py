@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from mlxserve.api.keepalive import with_keepalive
+from mlxserve.api.sse import with_keepalive
 
 
 def test_items_pass_through_with_none_during_silence() -> None:

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
+from mlxserve.api.body import parse_body
 from mlxserve.api.errors import APIError
-from mlxserve.api.protocol import parse_body
-from mlxserve.api.responses_convert import echo_settings, to_turn
-from mlxserve.api.responses_protocol import ResponsesRequest
+from mlxserve.api.responses.convert import echo_settings, to_turn
+from mlxserve.api.responses.protocol import ResponsesRequest
 from mlxserve.api.sealed import seal_reasoning
 from mlxserve.chat import encode_request
 from mlxserve.chat.render import deepseek_request

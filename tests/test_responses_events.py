@@ -12,7 +12,6 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from mlxserve.api.errors import APIError
-from mlxserve.api.keepalive import SSE_COMMENT
 from mlxserve.api.pipeline import (
     Accumulator,
     EngineRequestFailed,
@@ -20,10 +19,11 @@ from mlxserve.api.pipeline import (
     ToolCallDelta,
     Usage,
 )
-from mlxserve.api.responses_events import ResponseEvents, ResponseShell, response_body
-from mlxserve.api.responses_routes import event_stream
-from mlxserve.api.responses_store import ResponseStore
+from mlxserve.api.responses.events import ResponseEvents, ResponseShell
+from mlxserve.api.responses.store import ResponseStore
 from mlxserve.api.sealed import unseal_reasoning
+from mlxserve.api.sse import SSE_COMMENT
+from mlxserve.api.writer import RunEnd, stream_run
 
 # The SDK's event classes by their `type` literal.
 EVENT_TYPES = {
@@ -51,12 +51,20 @@ def _start(index: int, name: str = "get_weather") -> ToolCallDelta:
 def _run(
     deltas: list[OutputDelta], finish: str = "stop", shell: ResponseShell | None = None
 ) -> tuple[list[dict[str, Any]], ResponseEvents]:
-    writer = ResponseEvents(shell or _shell(include_encrypted=True), new_id=_ids())
+    shell = shell or _shell(include_encrypted=True)
+    writer = ResponseEvents(shell, new_id=_ids(), count_tokens=lambda _t: 5)
     events = writer.start()
     for delta in deltas:
         events += writer.delta(delta)
-    events += writer.finish(finish, USAGE, reasoning_tokens=5)
+    events += writer.finish(RunEnd(finish, None, USAGE))
     return events, writer
+
+
+def response_body(
+    shell: ResponseShell, acc: Accumulator, usage: Usage, count_tokens: Any = None
+) -> dict[str, Any]:
+    writer = ResponseEvents(shell, count_tokens=count_tokens)
+    return writer.body(acc, RunEnd(acc.finish_reason or "stop", None, usage))
 
 
 def _types(events: list[dict[str, Any]]) -> list[str]:
@@ -372,7 +380,7 @@ class _FakeRun:
     def __init__(self, deltas: list[OutputDelta | Exception], pause_s: float = 0.0) -> None:
         self._deltas = deltas
         self._pause_s = pause_s
-        self.pipeline = type("P", (), {"usage": USAGE})()
+        self.pipeline = type("P", (), {"usage": USAGE, "stop_string": None})()
 
     async def deltas(self) -> Any:
         for delta in self._deltas:
@@ -384,10 +392,10 @@ class _FakeRun:
 
 def _stream(run: _FakeRun, keepalive_s: float = 10.0) -> tuple[list[bytes], list[Any]]:
     kept: list[Any] = []
-    writer = ResponseEvents(_shell(), new_id=_ids())
+    writer = ResponseEvents(_shell(), new_id=_ids(), count_tokens=len, keep=kept.append)
 
     async def collect() -> list[bytes]:
-        frames = event_stream(run, writer, keepalive_s, kept.append, len)  # type: ignore[arg-type]
+        frames = stream_run(run, writer, keepalive_s)  # type: ignore[arg-type]
         return [frame async for frame in frames]
 
     return asyncio.run(collect()), kept

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from mlxserve.api.anthropic_routes import count_tokens, messages
+from mlxserve.api.anthropic.routes import count_tokens, messages
 from mlxserve.api.errors import (
     APIError,
     BodyLimitMiddleware,
@@ -20,11 +20,12 @@ from mlxserve.api.errors import (
     check_api_key,
     install_handlers,
 )
-from mlxserve.api.handlers import ClientGone, chat_completions, completions
 from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from mlxserve.api.responses_routes import ResponsesAPI
-from mlxserve.api.responses_store import ResponseStore
+from mlxserve.api.openai.routes import chat_completions, completions
+from mlxserve.api.responses.routes import ResponsesAPI
+from mlxserve.api.responses.store import ResponseStore
 from mlxserve.api.state import ServerState
+from mlxserve.api.writer import ClientGone
 
 logger = logging.getLogger(__name__)
 

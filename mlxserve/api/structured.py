@@ -14,6 +14,10 @@ llguidance grammar (its serialized form, a string the engine's matcher takes):
 
 A schema the library cannot compile is a `StructuredOutputError` naming the
 problem (the API answers 400).
+
+`answer_constraint` is the one mapping from a request's `tool_choice` (each
+dialect spells it its own way and converts it to `ToolChoice`) and JSON
+format to the `OutputConstraint` the grammar is built from.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 import llguidance
 
+from mlxserve.api.errors import APIError
 from mlxserve.parsers.dsml import DSML_LEAD, DSML_V4, DSML_V41, DsmlDialect
 
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -99,6 +104,63 @@ def strict_calls(
     if not any(f.get("strict") is True for f in functions):
         return None
     return OutputConstraint(tools=functions, parallel=parallel, optional=True)
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """A request's `tool_choice` in this server's terms, whatever dialect sent it.
+
+    `mode`: "auto" (calls allowed), "none" (no calls parsed), "required" (at
+    least one call of any tool) or "named" (a call of the tool `name`).
+    `label` is how the client wrote the mode, for the 400 that names it.
+    """
+
+    mode: str = "auto"
+    name: str | None = None
+    parallel: bool = True
+    label: str = ""
+
+    @property
+    def forces_call(self) -> bool:
+        return self.mode in ("required", "named")
+
+
+def check_tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: ToolChoice) -> None:
+    """400 for a choice that forces a call no tool can make."""
+    if not choice.forces_call:
+        return
+    names = {t.get("function", t).get("name") for t in tools or ()}
+    if not names:
+        label = choice.label or choice.mode
+        message = f"tool_choice {label!r} forces a tool call but no tools are given"
+        raise APIError(400, message, param="tool_choice")
+    if choice.mode == "named" and choice.name not in names:
+        message = f"tool_choice names {choice.name!r}, which is not among the tools"
+        raise APIError(400, message, param="tool_choice")
+
+
+def answer_constraint(
+    tools: Sequence[Mapping[str, Any]] | None,
+    choice: ToolChoice,
+    json_schema: Mapping[str, Any] | None = None,
+) -> OutputConstraint | None:
+    """What the answer must be: forced calls, JSON under a schema, or strict optional calls.
+
+    A forced call and a JSON format exclude each other (400); with calls
+    allowed, functions marked `strict` have their arguments enforced.
+    """
+    check_tool_choice(tools, choice)
+    if choice.forces_call:
+        if json_schema is not None:
+            message = "a forced tool_choice and a JSON response format exclude each other"
+            raise APIError(400, message, param="tool_choice")
+        name = choice.name if choice.mode == "named" else None
+        return forced_calls(tools, name, choice.parallel)
+    if json_schema is not None:
+        return OutputConstraint(json_schema=json_schema)
+    if choice.mode == "auto":
+        return strict_calls(tools, choice.parallel)
+    return None
 
 
 def with_response_format(

@@ -28,18 +28,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mlxserve.api.errors import APIError, bad_request
+from mlxserve.api.body import FunctionSpec
+from mlxserve.api.errors import bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.notices import warn_once
-from mlxserve.api.protocol import FunctionSpec
-from mlxserve.api.responses_protocol import ResponsesRequest
+from mlxserve.api.responses.protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
-from mlxserve.api.structured import (
-    OutputConstraint,
-    forced_calls,
-    strict_calls,
-    with_response_format,
-)
+from mlxserve.api.structured import ToolChoice, answer_constraint, with_response_format
 from mlxserve.chat import PromptRequest
 
 Item = Mapping[str, Any]
@@ -80,10 +75,6 @@ EFFORTS: dict[str, str | None] = {
 NAMESPACE_SEPARATOR = "."
 
 
-def _bad(message: str, param: str | None = None) -> APIError:
-    return bad_request(message, param)
-
-
 @dataclass(frozen=True)
 class ResponsesTurn:
     """One Responses request in the server's terms."""
@@ -109,7 +100,7 @@ def _str_field(item: Item, key: str, where: str, required: bool = True) -> str |
     if value is None and not required:
         return None
     if not isinstance(value, str) or (required and not value):
-        raise _bad(f"{where}.{key} must be a non-empty string", f"{where}.{key}")
+        raise bad_request(f"{where}.{key} must be a non-empty string", f"{where}.{key}")
     return value
 
 
@@ -118,15 +109,15 @@ def _text_parts(content: Any, where: str) -> str | list[dict[str, str]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where} must be a string or a list of content parts", where)
+        raise bad_request(f"{where} must be a string or a list of content parts", where)
     parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
         here = f"{where}[{j}]"
         if not isinstance(part, Mapping):
-            raise _bad(f"{here} must be a content part object", here)
+            raise bad_request(f"{here} must be a content part object", here)
         kind = part.get("type")
         if kind in MEDIA_PARTS:
-            raise _bad(
+            raise bad_request(
                 f"{here}: '{kind}' parts are not supported: this model takes text only", here
             )
         if kind == "refusal":
@@ -134,9 +125,9 @@ def _text_parts(content: Any, where: str) -> str | list[dict[str, str]]:
         elif kind in TEXT_PARTS:
             text = part.get("text")
         else:
-            raise _bad(f"{here}: unknown content part type {kind!r}", here)
+            raise bad_request(f"{here}: unknown content part type {kind!r}", here)
         if not isinstance(text, str):
-            raise _bad(f"{here}.text must be a string", here)
+            raise bad_request(f"{here}.text must be a string", here)
         parts.append({"type": "text", "text": text})
     return parts
 
@@ -144,12 +135,16 @@ def _text_parts(content: Any, where: str) -> str | list[dict[str, str]]:
 def _reasoning_text(item: Item, where: str) -> str:
     content = item.get("content")
     if content is not None and not isinstance(content, list):
-        raise _bad(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+        raise bad_request(
+            f"{where}.content must be a list of reasoning_text parts", f"{where}.content"
+        )
     texts: list[str] = []
     for j, part in enumerate(content or ()):
         text = part.get("text") if isinstance(part, Mapping) else None
         if not isinstance(text, str):
-            raise _bad(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}]")
+            raise bad_request(
+                f"{where}.content[{j}].text must be a string", f"{where}.content[{j}]"
+            )
         texts.append(text)
     if texts:
         return "".join(texts)
@@ -157,7 +152,9 @@ def _reasoning_text(item: Item, where: str) -> str:
     if sealed is None:
         return ""
     if not isinstance(sealed, str):
-        raise _bad(f"{where}.encrypted_content must be a string", f"{where}.encrypted_content")
+        raise bad_request(
+            f"{where}.encrypted_content must be a string", f"{where}.encrypted_content"
+        )
     text = unseal_reasoning(sealed)
     if text is None:
         warn_once("sealed", "a reasoning item's encrypted_content is not ours; left out")
@@ -193,7 +190,7 @@ class _Conversation:
 
     def add(self, item: Any, where: str) -> None:
         if not isinstance(item, Mapping):
-            raise _bad(f"{where} must be an item object", where)
+            raise bad_request(f"{where} must be an item object", where)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             self._message(item, where)
@@ -204,9 +201,11 @@ class _Conversation:
         elif kind == "function_call_output":
             self._call_output(item, where)
         elif kind == "item_reference":
-            raise _bad(f"{where}: item_reference is not supported; send the item itself", where)
+            raise bad_request(
+                f"{where}: item_reference is not supported; send the item itself", where
+            )
         else:
-            raise _bad(f"{where}: unknown input item type {kind!r}", f"{where}.type")
+            raise bad_request(f"{where}: unknown input item type {kind!r}", f"{where}.type")
 
     def finish(self) -> list[dict[str, Any]]:
         self._close()
@@ -229,7 +228,7 @@ class _Conversation:
     def _message(self, item: Item, where: str) -> None:
         role = item.get("role")
         if role not in ROLES:
-            raise _bad(
+            raise bad_request(
                 f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
                 f"{where}.role",
             )
@@ -248,7 +247,7 @@ class _Conversation:
         namespace = _str_field(item, "namespace", where, required=False)
         arguments = item.get("arguments", "{}")
         if not isinstance(arguments, str):
-            raise _bad(f"{where}.arguments must be a JSON string", f"{where}.arguments")
+            raise bad_request(f"{where}.arguments must be a JSON string", f"{where}.arguments")
         assert call_id is not None and name is not None
         if namespace:
             name = namespace + NAMESPACE_SEPARATOR + name
@@ -263,7 +262,7 @@ class _Conversation:
     def _call_output(self, item: Item, where: str) -> None:
         call_id = _str_field(item, "call_id", where)
         if call_id not in self.calls:
-            raise _bad(
+            raise bad_request(
                 f"{where}: function_call_output for {call_id!r} has no function_call with that "
                 "call_id before it",
                 f"{where}.call_id",
@@ -290,7 +289,7 @@ def chat_messages(
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     if not any(m["role"] != "system" for m in messages):
-        raise _bad("input: at least one input item is required", "input")
+        raise bad_request("input: at least one input item is required", "input")
     return messages
 
 
@@ -302,7 +301,7 @@ def _function(tool: Mapping[str, Any], name: str, where: str) -> dict[str, Any]:
         checked = FunctionSpec.model_validate({"name": name, **spec})
     except ValidationError as e:
         msg = str(e.errors(include_url=False)[0]["msg"]).removeprefix("Value error, ")
-        raise _bad(f"{where}: {msg}", where) from e
+        raise bad_request(f"{where}: {msg}", where) from e
     return {"type": "function", "function": checked.model_dump(exclude_none=True)}
 
 
@@ -316,14 +315,14 @@ def chat_tools(
         where = f"tools[{i}]"
         kind = tool.get("type") if isinstance(tool, Mapping) else None
         if not isinstance(tool, Mapping) or not isinstance(kind, str):
-            raise _bad(f"{where} must be a tool object with a type", where)
+            raise bad_request(f"{where} must be a tool object with a type", where)
         if kind == "function":
             out.append(_function(tool, str(tool.get("name") or ""), where))
         elif kind == "namespace":
             space = tool.get("name")
             inner = tool.get("tools")
             if not isinstance(space, str) or not space or not isinstance(inner, list):
-                raise _bad(f"{where}: a namespace needs a name and a list of tools", where)
+                raise bad_request(f"{where}: a namespace needs a name and a list of tools", where)
             for j, fn in enumerate(inner):
                 here = f"{where}.tools[{j}]"
                 if not isinstance(fn, Mapping) or fn.get("type", "function") != "function":
@@ -341,29 +340,29 @@ def chat_tools(
             )
     names = [t["function"]["name"] for t in out]
     if len(set(names)) != len(names):
-        raise _bad("tools: function names must be unique", "tools")
+        raise bad_request("tools: function names must be unique", "tools")
     return out or None, namespaces
 
 
-def _check_tool_choice(choice: str | Mapping[str, Any] | None, names: set[str]) -> bool:
-    """Whether tool calls are parsed; 400 for a choice that cannot be served."""
-    if choice is None or choice == "auto":
-        return True
-    if choice == "none":
-        return False
-    if isinstance(choice, Mapping):
-        kind = choice.get("type")
-        if kind in HOSTED_TOOLS or kind not in ("function", "allowed_tools"):
-            raise _bad(
-                f"tool_choice names the tool type {kind!r}, which this server cannot run",
-                "tool_choice",
-            )
-        name = choice.get("name")
-        if kind == "function" and name not in names:
-            raise _bad(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+def tool_choice(req: ResponsesRequest, names: set[str]) -> ToolChoice:
+    """`tool_choice` in the server's terms; 400 for a tool this server cannot run."""
+    choice = req.tool_choice
+    parallel = req.parallel_tool_calls is not False
+    if not isinstance(choice, Mapping):
+        mode = choice or "auto"
+        return ToolChoice(mode, parallel=parallel, label=mode)
+    kind = choice.get("type")
+    if kind in HOSTED_TOOLS or kind not in ("function", "allowed_tools"):
+        raise bad_request(
+            f"tool_choice names the tool type {kind!r}, which this server cannot run",
+            "tool_choice",
+        )
+    if kind == "function":
+        return ToolChoice("named", str(choice.get("name")), parallel)
     if not names:
-        raise _bad("tool_choice needs function tools", "tool_choice")
-    return True
+        raise bad_request("tool_choice needs function tools", "tool_choice")
+    # The allowed subset is shown in full and served as `auto`.
+    return ToolChoice("auto", parallel=parallel)
 
 
 def _effort(req: ResponsesRequest) -> tuple[str | None, dict[str, Any]]:
@@ -372,7 +371,7 @@ def _effort(req: ResponsesRequest) -> tuple[str | None, dict[str, Any]]:
     if effort is None:
         return None, {}
     if effort not in EFFORTS:
-        raise _bad(
+        raise bad_request(
             f"reasoning.effort must be one of {', '.join(EFFORTS)}, got {effort!r}",
             "reasoning.effort",
         )
@@ -390,10 +389,10 @@ def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     if kind == "json_object":
         return {"type": "json_object"}
     if kind != "json_schema":
-        raise _bad(f"text.format type {kind!r} is not supported", "text.format")
+        raise bad_request(f"text.format type {kind!r} is not supported", "text.format")
     name, schema = fmt.get("name"), fmt.get("schema")
     if not isinstance(name, str) or not name or not isinstance(schema, Mapping):
-        raise _bad("text.format json_schema needs a name and a schema object", "text.format")
+        raise bad_request("text.format json_schema needs a name and a schema object", "text.format")
     spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
     return {"type": "json_schema", "json_schema": spec}
 
@@ -404,21 +403,11 @@ def _shown_format(fmt: Mapping[str, Any]) -> Mapping[str, Any]:
     return spec["schema"] if isinstance(spec, Mapping) else fmt
 
 
-def _constraint(
-    req: ResponsesRequest, tools: list[dict[str, Any]] | None, fmt: Mapping[str, Any] | None
-) -> OutputConstraint | None:
-    """Forced tool calls (`tool_choice` required or a function) or a JSON `text.format`."""
-    choice = req.tool_choice
-    parallel = req.parallel_tool_calls is not False
-    if choice == "required":
-        return forced_calls(tools, None, parallel)
-    if isinstance(choice, Mapping) and choice.get("type") == "function":
-        return forced_calls(tools, str(choice.get("name")), parallel)
+def _format_schema(fmt: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
     if fmt is None:
-        return strict_calls(tools, parallel) if choice in (None, "auto") else None
+        return None
     spec = fmt.get("json_schema")
-    schema = spec["schema"] if isinstance(spec, Mapping) else {"type": "object"}
-    return OutputConstraint(json_schema=schema)
+    return spec["schema"] if isinstance(spec, Mapping) else {"type": "object"}
 
 
 def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTurn:
@@ -429,9 +418,7 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
     if fmt is not None:
         messages = with_response_format(messages, _shown_format(fmt))
     tools, namespaces = chat_tools(req.tools)
-    tools_enabled = _check_tool_choice(
-        req.tool_choice, {t["function"]["name"] for t in tools or ()}
-    )
+    choice = tool_choice(req, {t["function"]["name"] for t in tools or ()})
     effort, kwargs = _effort(req)
     prompt = PromptRequest(
         messages=messages, tools=tools, reasoning_effort=effort, chat_template_kwargs=kwargs
@@ -446,10 +433,10 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
     generation = ChatGeneration(
         prompt=prompt,
         sampling=sampling,
-        tools_enabled=bool(tools) and tools_enabled,
+        tools_enabled=bool(tools) and choice.mode != "none",
         parallel_tool_calls=req.parallel_tool_calls is not False,
         stream=bool(req.stream),
-        constraint=_constraint(req, tools, fmt),
+        constraint=answer_constraint(tools, choice, _format_schema(fmt)),
     )
     return ResponsesTurn(generation, (*history, *current), namespaces)
 

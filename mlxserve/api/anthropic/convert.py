@@ -18,12 +18,18 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mlxserve.api.anthropic_protocol import CountTokensRequest, MessagesRequest
-from mlxserve.api.errors import APIError, bad_request
+from mlxserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from mlxserve.api.errors import bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.notices import warn_once
 from mlxserve.api.sealed import unseal_reasoning
-from mlxserve.api.structured import OutputConstraint, forced_calls, with_response_format
+from mlxserve.api.structured import (
+    OutputConstraint,
+    ToolChoice,
+    answer_constraint,
+    check_tool_choice,
+    with_response_format,
+)
 from mlxserve.chat import PromptRequest
 
 # Claude Code's first system block: billing metadata for Anthropic's servers, not an
@@ -33,25 +39,23 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 _MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
 
 
-def _bad(message: str, param: str | None = None) -> APIError:
-    return bad_request(message, param)
-
-
 def _text_block(block: Mapping[str, Any], where: str) -> str:
     text = block.get("text")
     if not isinstance(text, str):
-        raise _bad(f"{where}.text must be a string", where)
+        raise bad_request(f"{where}.text must be a string", where)
     return text
 
 
 def _block_type(block: Any, where: str) -> str:
     if not isinstance(block, Mapping):
-        raise _bad(f"{where} must be a content block object", where)
+        raise bad_request(f"{where} must be a content block object", where)
     kind = block.get("type")
     if not isinstance(kind, str):
-        raise _bad(f"{where}.type must be a string", where)
+        raise bad_request(f"{where}.type must be a string", where)
     if kind in _MEDIA_BLOCKS:
-        raise _bad(f"{where}: '{kind}' blocks are not supported: this model takes text only", where)
+        raise bad_request(
+            f"{where}: '{kind}' blocks are not supported: this model takes text only", where
+        )
     return kind
 
 
@@ -64,7 +68,7 @@ def _text_parts(content: str | Sequence[Any], where: str) -> list[dict[str, str]
         here = f"{where}[{j}]"
         kind = _block_type(block, here)
         if kind != "text":
-            raise _bad(f"{here}: expected a 'text' block, got '{kind}'", here)
+            raise bad_request(f"{here}: expected a 'text' block, got '{kind}'", here)
         parts.append({"type": "text", "text": _text_block(block, here)})
     return parts
 
@@ -76,7 +80,7 @@ def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(f"{where}.content must be a string or a list of text blocks", where)
+        raise bad_request(f"{where}.content must be a string or a list of text blocks", where)
     return "\n".join(p["text"] for p in _text_parts(content, f"{where}.content"))
 
 
@@ -87,7 +91,7 @@ def _user_messages(
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
     if not content:
-        raise _bad(f"{where}: a user message needs at least one content block", where)
+        raise bad_request(f"{where}: a user message needs at least one content block", where)
     out: list[dict[str, Any]] = []
     text: list[dict[str, str]] = []
     for j, block in enumerate(content):
@@ -97,10 +101,10 @@ def _user_messages(
             text.append({"type": "text", "text": _text_block(block, here)})
             continue
         if kind != "tool_result":
-            raise _bad(f"{here}: a user message cannot hold a '{kind}' block", here)
+            raise bad_request(f"{here}: a user message cannot hold a '{kind}' block", here)
         call_id = block.get("tool_use_id")
         if not isinstance(call_id, str) or call_id not in open_calls:
-            raise _bad(
+            raise bad_request(
                 f"{here}: tool_result for {call_id!r} has no tool_use block with that id "
                 "in the previous assistant message",
                 here,
@@ -120,7 +124,7 @@ def _thinking_text(block: Mapping[str, Any], where: str) -> str:
     text = block.get("thinking", "")
     signature = block.get("signature", "")
     if not isinstance(text, str) or not isinstance(signature, str):
-        raise _bad(f"{where}: thinking and signature must be strings", where)
+        raise bad_request(f"{where}: thinking and signature must be strings", where)
     if not text and signature:
         return unseal_reasoning(signature) or ""
     return text
@@ -144,7 +148,7 @@ def _assistant_message(content: str | list[dict[str, Any]], where: str) -> dict[
         elif kind == "tool_use":
             calls.append(_tool_call(block, here))
         else:
-            raise _bad(f"{here}: an assistant message cannot hold a '{kind}' block", here)
+            raise bad_request(f"{here}: an assistant message cannot hold a '{kind}' block", here)
     message: dict[str, Any] = {"role": "assistant", "content": "".join(text)}
     if reasoning:
         message["reasoning_content"] = "".join(reasoning)
@@ -156,11 +160,11 @@ def _assistant_message(content: str | list[dict[str, Any]], where: str) -> dict[
 def _tool_call(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
     if not isinstance(call_id, str) or not call_id:
-        raise _bad(f"{where}.id must be a non-empty string", where)
+        raise bad_request(f"{where}.id must be a non-empty string", where)
     if not isinstance(name, str) or not name:
-        raise _bad(f"{where}.name must be a non-empty string", where)
+        raise bad_request(f"{where}.name must be a non-empty string", where)
     if not isinstance(args, Mapping):
-        raise _bad(f"{where}.input must be an object", where)
+        raise bad_request(f"{where}.input must be an object", where)
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
@@ -199,9 +203,9 @@ def openai_messages(req: CountTokensRequest) -> list[dict[str, Any]]:
             out.append(message)
         started = started or msg.role != "system"
     if not started:
-        raise _bad("messages: at least one user message is required", "messages")
+        raise bad_request("messages: at least one user message is required", "messages")
     if req.messages[-1].role == "assistant":
-        raise _bad(
+        raise bad_request(
             "messages: a final assistant message (response prefill) is not supported",
             "messages",
         )
@@ -231,31 +235,21 @@ def _tools(req: CountTokensRequest) -> list[dict[str, Any]] | None:
     return out or None
 
 
-def _check_tool_choice(req: CountTokensRequest, tools: list[dict[str, Any]] | None) -> None:
+def tool_choice(req: CountTokensRequest) -> ToolChoice:
+    """`tool_choice` in the server's terms: `any` forces a call, `tool` names one."""
     choice = req.tool_choice
-    if choice is None or choice.type in ("auto", "none"):
-        return
-    names = {t["function"]["name"] for t in tools or ()}
-    if not names:
-        raise _bad(f"tool_choice '{choice.type}' needs tools", "tool_choice")
-    if choice.type == "tool" and choice.name not in names:
-        raise _bad(
-            f"tool_choice names {choice.name!r}, which is not among the tools", "tool_choice"
-        )
+    if choice is None:
+        return ToolChoice()
+    parallel = not choice.disable_parallel_tool_use
+    modes = {"any": "required", "tool": "named"}
+    return ToolChoice(modes.get(choice.type, choice.type), choice.name, parallel, choice.type)
 
 
 def _constraint(
     req: MessagesRequest, tools: Sequence[Mapping[str, Any]] | None
 ) -> OutputConstraint | None:
     """`tool_choice` any/tool forces calls; `output_config.format` forces JSON."""
-    choice = req.tool_choice
-    parallel = not (choice is not None and choice.disable_parallel_tool_use)
-    if choice is not None and choice.type == "any":
-        return forced_calls(tools, None, parallel)
-    if choice is not None and choice.type == "tool":
-        return forced_calls(tools, choice.name, parallel)
-    schema = _output_schema(req)
-    return OutputConstraint(json_schema=schema) if schema is not None else None
+    return answer_constraint(tools, tool_choice(req), _output_schema(req))
 
 
 def _budget_effort(budget: int | None) -> str | None:
@@ -270,7 +264,7 @@ def _budget_effort(budget: int | None) -> str | None:
 def prompt_request(req: CountTokensRequest) -> PromptRequest:
     """What the chat stage renders for this request."""
     tools = _tools(req)
-    _check_tool_choice(req, tools)
+    check_tool_choice(tools, tool_choice(req))
     kwargs: dict[str, Any] = {}
     effort: str | None = None
     if req.thinking is not None:

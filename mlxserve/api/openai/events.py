@@ -1,24 +1,22 @@
-"""Wire shapes: OpenAI chunk and response objects, SSE framing.
+"""The pipeline's deltas -> OpenAI chunks and response objects (pure).
 
-Pure functions from the pipeline's typed deltas to JSON-ready dicts; no
-engine or HTTP code here.
+Pure functions from the pipeline's typed deltas to JSON-ready dicts, and
+`ChunkWriter`, the OpenAI dialect's writer for chat and text completions.
+No engine or HTTP code here.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from mlxserve.api.errors import error_body
 from mlxserve.api.pipeline import Accumulator, OutputDelta, TokenLogprob, ToolCallDelta, Usage
+from mlxserve.api.sse import SSE_COMMENT, sse
+from mlxserve.api.writer import RunEnd
 
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(payload: dict[str, Any]) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return b"data: " + data.encode("utf-8") + b"\n\n"
+DONE = "[DONE]"
+Event = dict[str, Any] | str  # a chunk, or the literal that ends the stream
 
 
 @dataclass(frozen=True)
@@ -30,7 +28,6 @@ class ResponseMeta:
     created: int
     kind: str = "chat"  # "chat" or "text"
     include_usage: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _tool_call_wire(tc: ToolCallDelta) -> dict[str, Any]:
@@ -181,3 +178,45 @@ def text_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[st
         "choices": [choice],
         "usage": usage.to_dict(),
     }
+
+
+class ChunkWriter:
+    """OpenAI chat or text completion chunks for one response."""
+
+    def __init__(self, meta: ResponseMeta) -> None:
+        self.meta = meta
+        self._offset = 0  # text completions: where the next logprobs' text starts
+
+    def start(self, usage: Usage) -> list[Event]:
+        return [chat_role_chunk(self.meta)] if self.meta.kind == "chat" else []
+
+    def delta(self, delta: OutputDelta) -> list[Event]:
+        if self.meta.kind == "chat":
+            chunk = chat_delta_chunk(self.meta, delta)
+        else:
+            chunk = text_delta_chunk(self.meta, delta, self._offset)
+            self._offset += len(delta.content)
+        return [chunk] if chunk is not None else []
+
+    def finish(self, end: RunEnd) -> list[Event]:
+        return [finish_chunk(self.meta, end.finish_reason), *self._tail(end.usage)]
+
+    def fail(self, message: str, usage: Usage) -> list[Event]:
+        error = error_body(message, "server_error", code="generation_failed")
+        return [error, *self._tail(usage)]
+
+    def _tail(self, usage: Usage) -> list[Event]:
+        usage_chunks: list[Event] = (
+            [usage_chunk(self.meta, usage)] if self.meta.include_usage else []
+        )
+        return [*usage_chunks, DONE]
+
+    def keepalive(self) -> bytes:
+        return SSE_COMMENT
+
+    def frame(self, event: Event) -> bytes:
+        return sse(event)
+
+    def body(self, acc: Accumulator, end: RunEnd) -> dict[str, Any]:
+        build = chat_response if self.meta.kind == "chat" else text_response
+        return build(self.meta, acc, end.usage)

@@ -3,7 +3,7 @@
 Types are strict (a string where an integer belongs is a 400), unknown fields
 are accepted and ignored the way the real API tolerates new client fields
 (Claude Code sends `context_management`, `output_config`, beta fields).
-Content blocks stay dicts here: `anthropic_convert` checks them one by one so
+Content blocks stay dicts here: `convert` checks them one by one so
 an error names the block (`messages[2].content[0]`).
 """
 
@@ -11,21 +11,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from mlxserve.api.body import Strict
 
 MAX_STOP_SEQUENCES = 16
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class AnthropicMessage(_Strict):
+class AnthropicMessage(Strict):
     role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 
-class AnthropicTool(_Strict):
+class AnthropicTool(Strict):
     name: str
     description: str | None = None
     input_schema: dict[str, Any] | None = None
@@ -37,29 +35,29 @@ class AnthropicTool(_Strict):
         return self.type in (None, "custom") and self.input_schema is not None
 
 
-class ToolChoice(_Strict):
+class ToolChoice(Strict):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(_Strict):
+class ThinkingConfig(Strict):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = None
     display: str | None = None
 
 
-class OutputFormat(_Strict):
+class OutputFormat(Strict):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(_Strict):
+class OutputConfig(Strict):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
     format: OutputFormat | None = None
 
 
-class CountTokensRequest(_Strict):
+class CountTokensRequest(Strict):
     """The prompt-shaping fields of a Messages request (all `/v1/messages/count_tokens` takes)."""
 
     model: str

@@ -1,4 +1,7 @@
-"""Keep-alive for streams: an async iterator that says "nothing yet" on a timer.
+"""Server-sent events: the one framer every dialect writes with, and keep-alive.
+
+`sse` frames one event: a JSON object (or a literal such as OpenAI's
+`[DONE]`), under an event name when the dialect names its events.
 
 While a long prompt prefills, a stream has nothing to send for seconds or
 minutes; proxies and clients close idle connections. `with_keepalive` wraps
@@ -11,13 +14,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
-from typing import TypeVar
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-KEEPALIVE_INTERVAL_S = 10.0
 SSE_COMMENT = b": keep-alive\n\n"
+
+
+def sse(data: Mapping[str, Any] | str, event: str | None = None) -> bytes:
+    """One server-sent event: `data` as compact JSON (a str is sent as is)."""
+    if isinstance(data, str):
+        payload = data
+    else:
+        payload = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    head = f"event: {event}\n" if event is not None else ""
+    return f"{head}data: {payload}\n\n".encode()
 
 
 async def with_keepalive(source: AsyncIterator[T], interval_s: float) -> AsyncIterator[T | None]:

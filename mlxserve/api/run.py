@@ -1,50 +1,34 @@
-"""The generation endpoints: chat completions and text completions.
+"""One generation run, whatever dialect asked for it: accept, render, submit, deltas.
 
-A request is validated, rendered to token ids (in a worker thread: long
-prompts take milliseconds to tokenize), submitted to the engine, and its
-token events run through the output pipeline. Streaming sends SSE chunks;
-non-streaming folds the same deltas. A client that goes away aborts its
-engine request at once (streaming: Starlette cancels the generator;
-non-streaming: a watcher on the ASGI receive channel).
+A route parses its body (`accept`), converts it to the internal request,
+and `start_chat` renders the prompt (in a worker thread: long prompts take
+milliseconds to tokenize), builds its grammar, and submits it. The engine's
+token events run through the output pipeline (`GenerationRun.deltas`); the
+engine request is aborted however the run ends early. `writer` turns the
+deltas into a dialect's stream or body.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
-from dataclasses import replace
-from typing import Any, TypeVar, cast
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
-from starlette.types import Receive, Scope, Send
 
+from mlxserve.api.body import parse_body
 from mlxserve.api.detok import CONTEXT_TOKENS
-from mlxserve.api.errors import APIError, GenerationFailed, error_body
+from mlxserve.api.errors import APIError, GenerationFailed
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.keepalive import SSE_COMMENT, with_keepalive
 from mlxserve.api.notices import warn_once
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
-from mlxserve.api.protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from mlxserve.api.state import ServerState
-from mlxserve.api.stream import (
-    DONE,
-    ResponseMeta,
-    chat_delta_chunk,
-    chat_response,
-    chat_role_chunk,
-    finish_chunk,
-    sse,
-    text_delta_chunk,
-    text_response,
-    usage_chunk,
-)
 from mlxserve.api.structured import OutputConstraint, StructuredOutputError, constraint_grammar
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
 from mlxserve.engine.request import Constraint, TokenEvent
@@ -53,11 +37,16 @@ from mlxserve.models.loaded import LoadedModel
 logger = logging.getLogger(__name__)
 
 THINK_END = "</think>"
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class ClientGone(Exception):
-    """The client disconnected before its non-streaming answer was ready."""
+@dataclass(frozen=True)
+class RunMeta:
+    """What every event of one response repeats; `kind` labels its metrics."""
+
+    id: str
+    model: str
+    created: int
+    kind: str = "chat"
 
 
 def thinking_mode(prompt_text: str, model: LoadedModel) -> bool:
@@ -74,31 +63,13 @@ def thinking_mode(prompt_text: str, model: LoadedModel) -> bool:
     return model.chat_encoder == "template" and model.model_type.startswith("qwen3")
 
 
-class _GuardedStream(StreamingResponse):
-    """A streaming response that aborts its engine request however it ends.
-
-    Starlette never starts the body generator when the client is gone before
-    the response starts; the guard still frees the engine slot then.
-    """
-
-    def __init__(self, run: GenerationRun, body: AsyncIterator[bytes]) -> None:
-        super().__init__(body, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._run = run
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._run.abort_if_running()
-
-
 class GenerationRun:
     """One submitted request: its engine events, pipeline, and response shape."""
 
     def __init__(
         self,
         state: ServerState,
-        meta: ResponseMeta,
+        meta: RunMeta,
         pipeline: OutputPipeline,
         events: AsyncIterator[TokenEvent],
         arrival: float,
@@ -163,36 +134,6 @@ class GenerationRun:
         if self.outcome == "ok":
             m.observe_e2e(time.monotonic() - self.arrival)
 
-    async def sse(self) -> AsyncIterator[bytes]:
-        meta = self.meta
-        if meta.kind == "chat":
-            yield sse(chat_role_chunk(meta))
-        offset = 0
-        interval = self.state.config.keepalive_interval_s
-        try:
-            # Keep-alive comments while nothing comes (a long prefill), so proxies stay open.
-            ticking = with_keepalive(self.deltas(), interval)
-            closing = cast(AsyncGenerator[OutputDelta | None, None], ticking)
-            async with contextlib.aclosing(closing) as deltas:
-                async for delta in deltas:
-                    if delta is None:
-                        yield SSE_COMMENT
-                        continue
-                    if meta.kind == "chat":
-                        chunk = chat_delta_chunk(meta, delta)
-                    else:
-                        chunk = text_delta_chunk(meta, delta, offset)
-                        offset += len(delta.content)
-                    if chunk is not None:
-                        yield sse(chunk)
-                    if delta.finish_reason is not None:
-                        yield sse(finish_chunk(meta, delta.finish_reason))
-        except EngineRequestFailed as e:
-            yield sse(error_body(str(e), "server_error", code="generation_failed"))
-        if meta.include_usage:
-            yield sse(usage_chunk(meta, self.pipeline.usage))
-        yield DONE
-
     async def accumulate(self) -> Accumulator:
         """The whole output folded into one message; APIError 500 if the engine failed it."""
         acc = Accumulator()
@@ -203,48 +144,6 @@ class GenerationRun:
             raise GenerationFailed(str(e)) from e
         return acc
 
-    async def collect(self) -> dict[str, Any]:
-        acc = await self.accumulate()
-        build = chat_response if self.meta.kind == "chat" else text_response
-        return build(self.meta, acc, self.pipeline.usage)
-
-    async def respond(self, request: Request, stream: bool) -> Response:
-        """The OpenAI answer: SSE chunks or one JSON body."""
-        if stream:
-            return self.stream_response(self.sse())
-        return await self.json_response(request, self.collect())
-
-    def stream_response(self, body: AsyncIterator[bytes]) -> Response:
-        """Stream `body` (built from this run); the engine request ends with it."""
-        return _GuardedStream(self, body)
-
-    async def json_response(self, request: Request, work: Awaitable[dict[str, Any]]) -> Response:
-        """Await `work` (built from this run), aborting it if the client disconnects."""
-        return JSONResponse(await _until_disconnect(request, work))
-
-
-async def _until_disconnect(request: Request, work: Any) -> dict[str, Any]:
-    """Run `work`; cancel it (aborting the engine request) if the client disconnects."""
-    task: asyncio.Task[dict[str, Any]] = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
 
 async def render_chat(model: LoadedModel, prompt: PromptRequest) -> PromptIds:
     """The prompt's text and token ids (in a worker thread); 400 for a bad conversation."""
@@ -254,16 +153,10 @@ async def render_chat(model: LoadedModel, prompt: PromptRequest) -> PromptIds:
         raise APIError(400, str(e), param="messages") from e
 
 
-def _meta(
-    state: ServerState, prefix: str, kind: str, req: ChatCompletionRequest | CompletionRequest
-) -> ResponseMeta:
-    return ResponseMeta(
-        id=f"{prefix}-{uuid.uuid4().hex}",
-        model=state.model_name,
-        created=int(time.time()),
-        kind=kind,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-    )
+def new_meta(state: ServerState, prefix: str, kind: str, hex_digits: int = 32) -> RunMeta:
+    """A fresh response id (`prefix` + random hex) for the model this server names."""
+    response_id = prefix + uuid.uuid4().hex[:hex_digits]
+    return RunMeta(response_id, state.model_name, int(time.time()), kind)
 
 
 def start_run(
@@ -271,7 +164,7 @@ def start_run(
     model: LoadedModel,
     ids: list[int],
     sampling: Sampling,
-    meta: ResponseMeta,
+    meta: RunMeta,
     arrival: float,
     stops: Sequence[str] = (),
     constraint: Constraint | None = None,
@@ -298,7 +191,7 @@ async def start_chat(
     state: ServerState,
     model: LoadedModel,
     gen: ChatGeneration,
-    meta: ResponseMeta,
+    meta: RunMeta,
     arrival: float,
 ) -> tuple[PromptIds, GenerationRun]:
     """Render a chat request and submit it, with the model's reasoning and tool parsers."""
@@ -363,36 +256,3 @@ async def accept(
         check()
     state.check_model_name(getattr(req, "model", None))
     return req, state.require_model()
-
-
-async def chat_completions(state: ServerState, request: Request) -> Response:
-    arrival = time.monotonic()
-    req, model = await accept(state, request, ChatCompletionRequest)
-    meta = _meta(state, "chatcmpl", "chat", req)
-    _, run = await start_chat(state, model, req.to_generation(), meta, arrival)
-    return await run.respond(request, bool(req.stream))
-
-
-def _completion_ids(model: LoadedModel, req: CompletionRequest) -> list[int]:
-    prompt = req.single_prompt()
-    if isinstance(prompt, str):
-        ids = [int(i) for i in model.tokenizer.encode(prompt)]
-    else:
-        ids = prompt
-        bad = [i for i in ids if not 0 <= i < model.vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token id {bad[0]} is out of range", param="prompt")
-    if not ids:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    return ids
-
-
-async def completions(state: ServerState, request: Request) -> Response:
-    arrival = time.monotonic()
-    req, model = await accept(state, request, CompletionRequest)
-    ids = await asyncio.to_thread(_completion_ids, model, req)
-    meta = _meta(state, "cmpl", "text", req)
-    run = start_run(
-        state, model, ids, req.to_sampling(), meta, arrival, stops=req.stop_strings(), parser=None
-    )
-    return await run.respond(request, bool(req.stream))

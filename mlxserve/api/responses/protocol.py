@@ -3,7 +3,7 @@
 Types are strict (a string where an integer belongs is a 400); unknown
 fields are accepted and ignored (Codex sends `client_metadata`, the Agents
 SDK `service_tier`, newer clients newer fields). Input items and tools stay
-dicts here: `responses_convert` checks them one by one so an error names
+dicts here: `convert` checks them one by one so an error names
 the item (`input[3].call_id`).
 """
 
@@ -11,29 +11,26 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import field_validator
 
+from mlxserve.api.body import Strict
 from mlxserve.api.errors import APIError
 
 TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-
-class ReasoningConfig(_Strict):
+class ReasoningConfig(Strict):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None
 
 
-class TextConfig(_Strict):
+class TextConfig(Strict):
     format: dict[str, Any] | None = None
     verbosity: str | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[dict[str, Any]] | None = None
     instructions: str | None = None

@@ -1,0 +1,40 @@
+"""The Anthropic Messages endpoints: `/v1/messages` and `/v1/messages/count_tokens`.
+
+A thin edge over the shared run: `convert` turns the body into the internal
+request, `start_chat` renders and submits it (same encoder, engine, parsers
+and prefix cache as every dialect), and `MessageEvents` writes the
+pipeline's deltas as Anthropic events (streamed) or one message.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from mlxserve.api.anthropic.convert import prompt_request, show_thinking, to_generation
+from mlxserve.api.anthropic.events import MessageEvents, MessageMeta
+from mlxserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from mlxserve.api.run import accept, new_meta, render_chat, start_chat
+from mlxserve.api.state import ServerState
+from mlxserve.api.writer import respond
+
+# Anthropic message ids: `msg_` and 24 hex digits.
+ID_HEX = 24
+
+
+async def messages(state: ServerState, request: Request) -> Response:
+    arrival = time.monotonic()
+    req, model = await accept(state, request, MessagesRequest)
+    gen = to_generation(req)
+    meta = new_meta(state, "msg_", "messages", ID_HEX)
+    _, run = await start_chat(state, model, gen, meta, arrival)
+    writer = MessageEvents(MessageMeta(meta.id, meta.model, show_thinking=show_thinking(req)))
+    return await respond(request, run, writer, gen.stream)
+
+
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    req, model = await accept(state, request, CountTokensRequest)
+    prompt = await render_chat(model, prompt_request(req))
+    return JSONResponse({"input_tokens": len(prompt.token_ids)})

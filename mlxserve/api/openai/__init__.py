@@ -1,0 +1,1 @@
+"""OpenAI chat and text completions: protocol, convert, events, routes."""

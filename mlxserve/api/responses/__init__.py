@@ -1,0 +1,1 @@
+"""OpenAI Responses: protocol, convert, events, store, routes."""
