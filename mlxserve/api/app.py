@@ -12,10 +12,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from mlxserve.api.anthropic.events import error_shape as anthropic_error_shape
 from mlxserve.api.anthropic.routes import count_tokens, messages
 from mlxserve.api.errors import (
     APIError,
     BodyLimitMiddleware,
+    ErrorShapes,
     GenerationFailed,
     check_api_key,
     install_handlers,
@@ -51,8 +53,10 @@ def create_app(state: ServerState, start_engine: bool = True) -> FastAPI:
 
     app = FastAPI(title="mlxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
-    install_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes)
+    # The Messages routes answer errors in Anthropic's shape, every other route in OpenAI's.
+    shapes = ErrorShapes({"/v1/messages": anthropic_error_shape})
+    install_handlers(app, shapes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.max_body_bytes, shapes=shapes)
     _add_routes(app, state)
     return app
 

@@ -1,17 +1,17 @@
 """Errors in the shape of the route's API.
 
-OpenAI routes answer `{"error": {"message", "type", "param", "code"}}`; the
-Anthropic routes (`/v1/messages...`) answer `{"type": "error", "error":
-{"type", "message"}}`. Every client mistake becomes an `APIError` (4xx) and
-is answered in its route's shape; the handlers here also turn
-FastAPI/Starlette's own errors (404, 405, validation) into it, so no client
-ever sees a bare 422 or 500 page.
+Every client mistake becomes an `APIError` (4xx) and is answered in its
+route's shape: OpenAI's `{"error": {"message", "type", "param", "code"}}`
+unless a dialect registered its own shape for its paths (`ErrorShapes`).
+The handlers here also turn FastAPI/Starlette's own errors (404, 405,
+validation) into it, so no client ever sees a bare 422 or 500 page.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,29 +35,6 @@ _TYPES = {
 }
 
 
-_ANTHROPIC_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
-}
-ANTHROPIC_PREFIX = "/v1/messages"
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
-
-
-def anthropic_error_type(status: int) -> str:
-    if status in _ANTHROPIC_TYPES:
-        return _ANTHROPIC_TYPES[status]
-    return "invalid_request_error" if status < 500 else "api_error"
-
-
 class APIError(Exception):
     """An error answered to the client with `status` and the OpenAI error body."""
 
@@ -79,14 +56,26 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def body(self, anthropic: bool = False) -> dict[str, Any]:
-        if anthropic:
-            return anthropic_error_body(self.message, anthropic_error_type(self.status))
+    def body(self) -> dict[str, Any]:
+        """The OpenAI error body (the default shape)."""
         return error_body(self.message, self.type, self.param, self.code)
 
-    def response(self, path: str = "") -> JSONResponse:
-        body = self.body(anthropic=is_anthropic_path(path))
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+ErrorShape = Callable[[APIError], dict[str, Any]]
+
+
+class ErrorShapes:
+    """The error body each path answers: a dialect's shape under its path prefix, else OpenAI's."""
+
+    def __init__(self, by_prefix: Mapping[str, ErrorShape] | None = None) -> None:
+        self._by_prefix = dict(by_prefix or {})
+
+    def response(self, error: APIError, path: str) -> JSONResponse:
+        shape: ErrorShape = APIError.body
+        for prefix, dialect_shape in self._by_prefix.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                shape = dialect_shape
+        return JSONResponse(shape(error), status_code=error.status, headers=error.headers)
 
 
 class GenerationFailed(APIError):
@@ -107,39 +96,26 @@ def error_body(
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def anthropic_error_body(message: str, type: str) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": type, "message": message}}
-
-
-async def _api_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, APIError)
-    return exc.response(request.url.path)
-
-
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, StarletteHTTPException)
-    error = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-    return error.response(request.url.path)
-
-
-async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, RequestValidationError)
-    errors = exc.errors()
-    msg = str(errors[0].get("msg", "invalid request")) if errors else "invalid request"
-    return APIError(400, msg).response(request.url.path)
-
-
-async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+def _as_api_error(exc: Exception) -> APIError:
+    """Any exception a route raised, as the APIError it is answered with."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, StarletteHTTPException):
+        return APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    if isinstance(exc, RequestValidationError):
+        errors = exc.errors()
+        msg = str(errors[0].get("msg", "invalid request")) if errors else "invalid request"
+        return APIError(400, msg)
     logger.exception("unhandled error in request", exc_info=exc)
-    error = APIError(500, "internal server error", code="internal_error")
-    return error.response(request.url.path)
+    return APIError(500, "internal server error", code="internal_error")
 
 
-def install_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(APIError, _api_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(Exception, _unexpected)
+def install_handlers(app: FastAPI, shapes: ErrorShapes) -> None:
+    async def handle(request: Request, exc: Exception) -> JSONResponse:
+        return shapes.response(_as_api_error(exc), request.url.path)
+
+    for kind in (APIError, StarletteHTTPException, RequestValidationError, Exception):
+        app.add_exception_handler(kind, handle)
 
 
 def check_api_key(request: Request, api_key: str | None) -> None:
@@ -167,9 +143,10 @@ def check_api_key(request: Request, api_key: str | None) -> None:
 class BodyLimitMiddleware:
     """Answer 413 when a request body exceeds `max_bytes` (declared or streamed)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, shapes: ErrorShapes) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.shapes = shapes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -202,10 +179,10 @@ class BodyLimitMiddleware:
         except APIError as e:
             if e.status != 413 or response_started:
                 raise
-            await e.response(scope.get("path", ""))(scope, receive, send)
+            await self.shapes.response(e, scope.get("path", ""))(scope, receive, send)
 
     def _error(self) -> APIError:
         return APIError(413, f"request body exceeds {self.max_bytes} bytes", code="body_too_large")
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._error().response(scope.get("path", ""))(scope, receive, send)
+        await self.shapes.response(self._error(), scope.get("path", ""))(scope, receive, send)

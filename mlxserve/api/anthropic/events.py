@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxserve.api.blocks import CALL, REASONING, BlockSequencer
+from mlxserve.api.errors import APIError
 from mlxserve.api.pipeline import Accumulator, OutputDelta, ToolCallDelta, Usage
 from mlxserve.api.sealed import seal_reasoning
 from mlxserve.api.sse import sse
@@ -54,10 +55,30 @@ def usage_body(usage: Usage) -> dict[str, int]:
 
 
 PING: Event = ("ping", {"type": "ping"})
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+
+
+def error_body(message: str, kind: str = "api_error") -> dict[str, Any]:
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_shape(error: APIError) -> dict[str, Any]:
+    """An APIError in Anthropic's error shape (the HTTP answer of the Messages routes)."""
+    default = "invalid_request_error" if error.status < 500 else "api_error"
+    return error_body(error.message, ERROR_TYPES.get(error.status, default))
 
 
 def error_event(message: str, kind: str = "api_error") -> Event:
-    return ("error", {"type": "error", "error": {"type": kind, "message": message}})
+    return ("error", error_body(message, kind))
 
 
 class MessageEvents(BlockSequencer[Event]):
