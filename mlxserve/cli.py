@@ -12,6 +12,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from mlxserve.config import SPECULATIVE_MODES
+
 FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41", "scripted")
 
 
@@ -119,6 +121,28 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         metavar="S",
         help="a step running longer than S s is engine death: /health answers 503 "
         "'engine stalled' and every open request fails (0: no watchdog)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=SPECULATIVE_MODES,
+        default="off",
+        help="speculative decoding: ngram (prompt lookup: drafts what followed the last "
+        "n tokens earlier in the prompt or output), mtp (the checkpoint's own MTP head), "
+        "auto (mtp where the checkpoint has one, else ngram); off by default",
+    )
+    p.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=4,
+        metavar="K",
+        help="at most K draft tokens per row and step (adapted per request to its acceptance)",
+    )
+    p.add_argument(
+        "--ngram-size",
+        type=int,
+        default=3,
+        metavar="N",
+        help="prompt lookup matches the last N tokens (then fewer, down to 1)",
     )
     p.add_argument(
         "--exit-on-engine-failure",

@@ -15,6 +15,10 @@ def default_prefix_cache_bytes() -> int:
     return int(total) // 4
 
 
+SPECULATIVE_MODES = ("off", "ngram", "mtp", "auto")
+MAX_DRAFT_TOKENS = 16
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 8
@@ -45,6 +49,11 @@ class EngineConfig:
     request_timeout_s: float | None = None
     # A step running longer than this is engine death (None: no watchdog).
     step_timeout_s: float | None = 300.0
+    # Speculative decoding: "off", "ngram" (prompt lookup), "mtp" or "auto"; up to
+    # `num_draft_tokens` drafts per row, matched on n-grams of up to `ngram_size`.
+    speculative: str = "off"
+    num_draft_tokens: int = 4
+    ngram_size: int = 3
 
     def __post_init__(self) -> None:
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
@@ -57,6 +66,12 @@ class EngineConfig:
             raise ValueError("step_timeout_s must be positive")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be at least 1")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
+        if not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"num_draft_tokens must be in [1, {MAX_DRAFT_TOKENS}]")
+        if self.ngram_size < 1:
+            raise ValueError("ngram_size must be at least 1")
         if self.max_prefill_tokens is not None:
             if self.max_prefill_tokens < 1:
                 raise ValueError("max_prefill_tokens must be at least 1")

@@ -79,6 +79,30 @@ class _EngineCollector(Collector):
             ratio,
         )
         yield from _disk_metrics(stats.get("prefix_cache_disk") or {})
+        yield from _speculative_metrics(stats.get("speculative") or {})
+
+
+def _speculative_metrics(spec: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    if not spec:
+        return
+    p, labels = f"{PREFIX}_spec", ["drafter"]
+    drafter = [str(spec.get("drafter", ""))]
+    counters = {
+        "draft_tokens": "Draft tokens verified.",
+        "accepted_tokens": "Draft tokens accepted.",
+        "verify_forwards": "Rows verified (a batch of B rows verifying counts B).",
+    }
+    for key, text in counters.items():
+        family = CounterMetricFamily(f"{p}_{key}", text, labels=labels)
+        family.add_metric(drafter, _num(spec, key))
+        yield family
+    per_forward = GaugeMetricFamily(
+        f"{p}_tokens_per_forward",
+        "Tokens a row's verify forward produced (accepted drafts + 1), since start.",
+        labels=labels,
+    )
+    per_forward.add_metric(drafter, _num(spec, "tokens_per_forward"))
+    yield per_forward
 
 
 _DISK_COUNTERS = {

@@ -39,6 +39,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_memory_bytes=args.kv_memory_bytes,
         request_timeout_s=args.request_timeout,
         step_timeout_s=args.step_timeout or None,
+        speculative=args.speculative,
+        num_draft_tokens=args.num_draft_tokens,
+        ngram_size=args.ngram_size,
     )
 
 

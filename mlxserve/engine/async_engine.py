@@ -259,6 +259,8 @@ class AsyncEngine:
         }
         if scheduler is not None:
             stats.update(asdict(scheduler.counters))
+            speculator = scheduler.speculator
+            stats["speculative"] = speculator.stats() if speculator is not None else None
         prefix_cache = self._core.prefix_cache
         stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache else None
         disk = self._core.disk

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
 from mlxserve.engine.plan import StepPlan
@@ -218,8 +219,22 @@ class EngineCore:
             min_chunk_tokens=model.min_prefill_chunk,
             wake=lambda: self._inbox.put(_Wake()),
             num_layers=len(model.make_cache()),
+            speculator=self._speculator(model, self.runner),
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
+
+    def _speculator(self, model: LoadedModel, runner: Runner) -> Speculator | None:
+        """The drafter for `--speculative`, where this model's caches can be cut back."""
+        c = self.config
+        speculator = make_speculator(c.speculative, c.num_draft_tokens, c.ngram_size)
+        if speculator is not None and not runner.verifiable:
+            logger.warning(
+                "speculative decoding is off for %s: its caches cannot be cut back after "
+                "a verify forward yet",
+                model.model_type,
+            )
+            return None
+        return speculator
 
     def _open_disk(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, if `--prefix-cache-dir` is set."""

@@ -45,12 +45,13 @@ class FinishRule:
     eos_ids: frozenset[int]
     max_model_len: int | None = None
 
-    def status(self, request: Request, token: int) -> RequestStatus | None:
-        """How `request` ends if `token` is appended to its output now (None: it goes on)."""
+    def status(self, request: Request, token: int, earlier: int = 0) -> RequestStatus | None:
+        """How `request` ends if `token` is appended to its output now, after `earlier`
+        tokens of the same step (None: it goes on)."""
         params = request.params
         if not params.ignore_eos and token in self.eos_ids or token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        produced = len(request.output_ids) + 1
+        produced = len(request.output_ids) + earlier + 1
         if produced >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
         limit = self.max_model_len
@@ -76,6 +77,8 @@ class StepPlan:
     finish_rule: FinishRule | None = None
     # Prefix-cache entries read from disk: the runner makes a slice of their arrays.
     restores: list[DiskRestore] = field(default_factory=list)
+    # Speculative decoding: draft tokens per decode row (every row of a batch, one length).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def has_work(self) -> bool:
@@ -107,6 +110,9 @@ class Snapshot:
 class RequestOutput:
     request_id: str
     sampled: SampledRow | None = None
+    # A verify step's further tokens, after `sampled`, in order; `drafted`: drafts verified.
+    accepted: list[SampledRow] = field(default_factory=list)
+    drafted: int = 0
     error: str | None = None
     snapshot: Snapshot | None = None
     # Prompt tokens the request's cache holds after this step (a prefill chunk ran).

@@ -19,6 +19,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from mlxserve.engine.request import Request
 
 if TYPE_CHECKING:
@@ -162,3 +164,18 @@ class Restorer:
         else:
             self.disk.missed()
         return pending.request
+
+
+def advance_restores(restores: list[DiskRestore], done: list[DiskRestore]) -> None:
+    """Make the next slice of each restore's arrays (on the owner thread); those whose
+    arrays are all made, or that failed, go to `done`."""
+    for job in restores:
+        try:
+            if job.restore.advance(job.max_bytes):
+                job.cache = job.restore.caches()
+                done.append(job)
+        except (ValueError, RuntimeError) as e:  # a bad entry is a miss, not a failure
+            logger.warning("restoring a prefix-cache entry from disk failed: %s", e)
+            job.error = f"{type(e).__name__}: {e}"
+            done.append(job)
+            mx.clear_cache()

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
@@ -51,7 +51,7 @@ from mlxserve.engine.plan import (
 )
 from mlxserve.engine.prefill_group import GroupedPrefill, grouped_forward, pick_group
 from mlxserve.engine.request import Request
-from mlxserve.engine.restores import DiskRestore
+from mlxserve.engine.restores import advance_restores
 from mlxserve.engine.sampling import (
     PendingSample,
     SampledRow,
@@ -62,6 +62,8 @@ from mlxserve.engine.sampling import (
     sample_lazy,
     sample_rows,
 )
+from mlxserve.engine.snapshots import SnapshotTaker
+from mlxserve.engine.verify import verify_rows
 from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,9 @@ class Runner:
         self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).
         self.group_prefill = self.completion_snapshots
+        # Drafts are verified only where a verify forward can be cut back after it: plain
+        # KV caches (a sliding window that wraps during the forward has lost what it held).
+        self.verifiable = bool(probe) and all(type(c) is KVCache for c in probe)
         if not self.batchable:
             kinds = sorted({type(layer).__name__ for layer in probe})
             logger.warning(
@@ -122,7 +127,7 @@ class Runner:
         self.joining: list[str] = []
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
-        self._snapshots_supported = True
+        self.snapshots = SnapshotTaker(fault)
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
@@ -185,8 +190,7 @@ class Runner:
         if plan.decodes:
             settle = _Once(
                 self._decode(
-                    plan.decodes,
-                    plan.finish_rule,
+                    plan,
                     result,
                     ahead=self._can_run_ahead(plan),
                     overlap=self._can_overlap(plan),
@@ -202,21 +206,8 @@ class Runner:
             if built is not None:
                 self._feed_chunk(built, result)
         settle()
-        self._restore(plan.restores, result)
+        advance_restores(plan.restores, result.restored)
         return result
-
-    def _restore(self, restores: list[DiskRestore], result: StepResult) -> None:
-        """Make the next slice of each disk restore's arrays; report those done or failed."""
-        for job in restores:
-            try:
-                if job.restore.advance(job.max_bytes):
-                    job.cache = job.restore.caches()
-                    result.restored.append(job)
-            except (ValueError, RuntimeError) as e:  # a bad entry is a miss, not a failure
-                logger.warning("restoring a prefix-cache entry from disk failed: %s", e)
-                job.error = _describe(e)
-                result.restored.append(job)
-                mx.clear_cache()
 
     def _join(self, released: set[str], result: StepResult) -> None:
         """Merge last step's finished prefills into the decode batch (not those released)."""
@@ -294,7 +285,7 @@ class Runner:
                 self.caches[rid] = forward.row_cache(row)
                 if chunk.snapshot_after:
                     key = chunk.request.context_ids[: chunk.end]
-                    output.snapshot = self._own_snapshot(rid, key)
+                    output.snapshot = self.snapshots.of_cache(rid, key, self.caches[rid])
                 self.joining.append(rid)
             except Exception as e:  # a failing step fails its request, not the engine
                 logger.exception("prefill failed for request %s", rid)
@@ -340,7 +331,8 @@ class Runner:
                 output.sampled = self._sample(built.logits, [request])[0]
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:
-                output.snapshot = self._own_snapshot(rid, request.context_ids[: chunk.end])
+                key = request.context_ids[: chunk.end]
+                output.snapshot = self.snapshots.of_cache(rid, key, cache)
             result.outputs.append(output)
             if chunk.is_last and self.batchable:
                 self.joining.append(rid)
@@ -375,49 +367,13 @@ class Runner:
             return
         for request_id, key_ids in completed:
             if request_id in self.batch.request_ids:
-                snapshot = self._row_snapshot(request_id, key_ids)
+                snapshot = self.snapshots.of_row(self.batch, request_id, key_ids)
             elif request_id in self.caches:  # it had not joined the batch yet
-                snapshot = self._own_snapshot(request_id, key_ids)
+                snapshot = self.snapshots.of_cache(request_id, key_ids, self.caches[request_id])
             else:
                 continue
             if snapshot is not None:
                 result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
-
-    def _row_snapshot(self, request_id: str, key_ids: list[int]) -> Snapshot | None:
-        """A snapshot of one decode-batch row (None if it fails: only the entry is lost)."""
-        try:
-            row = self.batch.request_ids.index(request_id)
-            extracted = [layer.extract(row) for layer in self.batch.cache]
-            excess = extracted[0].offset - len(key_ids)
-            if excess > 0:  # a step that ran ahead fed tokens past the key
-                trim_prompt_cache(extracted, excess)
-            return self._snapshot(key_ids, extracted, request_id)
-        except Exception:  # the request is finishing; only its prefix-cache entry is lost
-            logger.exception("snapshot of finished request %s failed", request_id)
-            mx.clear_cache()
-            return None
-
-    def _own_snapshot(self, request_id: str, key_ids: list[int]) -> Snapshot | None:
-        """A snapshot of a request's own cache (None if it fails: only the entry is lost)."""
-        try:
-            return self._snapshot(key_ids, self.caches[request_id], request_id)
-        except Exception:  # the answer stands; only this prefix-cache entry is lost
-            logger.exception("snapshot of request %s failed", request_id)
-            return None
-
-    def _snapshot(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:
-        from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache
-
-        if not self._snapshots_supported:
-            return None
-        self._check(faults.SNAPSHOT, [request_id])
-        try:
-            # Scheduled, not waited for: the copy overlaps the next forward.
-            return Snapshot(list(key_ids), copy_cache(cache, wait=False))
-        except UnsupportedCacheError as e:
-            logger.warning("prefix cache off for this model: %s", e)
-            self._snapshots_supported = False
-            return None
 
     # -- decode -------------------------------------------------------------
     def _can_run_ahead(self, plan: StepPlan) -> bool:
@@ -431,33 +387,93 @@ class Runner:
         """
         if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
             return False
-        return self._pipelinable(plan.decodes)
+        return not plan.drafts and self._pipelinable(plan.decodes)
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether this step's decode tokens may be read after a chunk's graph is built."""
         if not (self.decode_ahead and self.batchable and plan.prefills):
             return False
-        return self._pipelinable(plan.decodes)
+        return not plan.drafts and self._pipelinable(plan.decodes)
 
     def _pipelinable(self, requests: list[Request]) -> bool:
         return all(pipelinable(r.params, self.samplers[r.request_id]) for r in requests)
 
     def _decode(
+        self, plan: StepPlan, result: StepResult, ahead: bool = False, overlap: bool = False
+    ) -> Callable[[], None] | None:
+        """Decode every running row; with `overlap`, may return what reads their tokens.
+
+        Rows with drafts verify them instead, when their cache can be cut back
+        and no step ran ahead of them."""
+        finish, drafts = plan.finish_rule, plan.drafts
+        if self.batchable:
+            by_id = {r.request_id: r for r in plan.decodes}
+            ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
+            cache = self.batch.cache
+            if self.batch.ahead is None and self._verifiable(ordered, drafts, cache):
+                self._verify(
+                    ordered, [drafts[r.request_id] for r in ordered], cache, finish, result
+                )
+                return None
+            return self._decode_group(ordered, cache, finish, result, ahead, overlap)
+        for request in plan.decodes:
+            cache = self.caches[request.request_id]
+            if self._verifiable([request], drafts, cache):
+                self._verify([request], [drafts[request.request_id]], cache, finish, result)
+            else:
+                self._decode_group([request], cache, finish, result)
+        return None
+
+    def _verifiable(
+        self, requests: list[Request], drafts: dict[str, list[int]], cache: list[Any]
+    ) -> bool:
+        if not requests or not all(drafts.get(r.request_id) for r in requests):
+            return False
+        if self.batchable and len(requests) != len(self.batch.request_ids):
+            return False
+        return can_trim_prompt_cache(cache)
+
+    def _verify(
         self,
         requests: list[Request],
+        drafts: list[list[int]],
+        cache: list[Any],
         finish: FinishRule | None,
         result: StepResult,
-        ahead: bool = False,
-        overlap: bool = False,
-    ) -> Callable[[], None] | None:
-        """Decode every running row; with `overlap`, may return what reads their tokens."""
-        if self.batchable:
-            by_id = {r.request_id: r for r in requests}
-            ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
-            return self._decode_group(ordered, self.batch.cache, finish, result, ahead, overlap)
-        for request in requests:
-            cache = self.caches[request.request_id]
-            self._decode_group([request], cache, finish, result)
+    ) -> None:
+        """One forward over each row's last token and its drafts; keep what the sampler
+        agrees with (`verify.py`) and cut the caches back past the rest."""
+        try:
+            request_ids = [r.request_id for r in requests]
+            self._check(faults.FORWARD, request_ids)
+            rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
+            logits = self.model.model(mx.array(rows, dtype=mx.int32), cache)
+            self._check(faults.SAMPLE, request_ids)
+            states = [self.samplers[rid] for rid in request_ids]
+            kept = verify_rows(logits, requests, drafts, states)
+            # The cache holds every fed position; the last kept token is fed next step.
+            trim_prompt_cache(cache, len(rows[0]) - len(kept[0]))
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("verify step failed for %d request(s)", len(requests))
+            self._decode_failed(requests, e, result)
+            return
+        for request, tokens, row_drafts in zip(requests, kept, drafts, strict=True):
+            output = RequestOutput(request.request_id, sampled=tokens[0], accepted=tokens[1:])
+            output.drafted = len(row_drafts)
+            output.snapshot = self._finishing_snapshot(request, tokens, finish)
+            result.outputs.append(output)
+
+    def _finishing_snapshot(
+        self, request: Request, tokens: list[SampledRow], finish: FinishRule | None
+    ) -> Snapshot | None:
+        """The `prompt + output` snapshot of a decode row that one of `tokens` ends."""
+        if finish is None or not self.completion_snapshots:
+            return None
+        for earlier, row in enumerate(tokens):
+            if finish.status(request, row.token, earlier) is not None:
+                # The cache holds prompt + output; the ending token is never fed.
+                key = request.prompt_ids + request.output_ids + [t.token for t in tokens[:earlier]]
+                return self.snapshots.of_row(self.batch, request.request_id, key)
         return None
 
     def _decode_group(
@@ -537,13 +553,9 @@ class Runner:
         result: StepResult,
     ) -> None:
         result.decode_tokens += len(requests)
-        snapshots = finish is not None and self.completion_snapshots
         for request, row in zip(requests, rows, strict=True):
             output = RequestOutput(request.request_id, sampled=row)
-            if snapshots and finish is not None and finish.status(request, row.token) is not None:
-                # The cache holds prompt + output (the new token is never fed).
-                key = request.prompt_ids + request.output_ids
-                output.snapshot = self._row_snapshot(request.request_id, key)
+            output.snapshot = self._finishing_snapshot(request, [row], finish)
             result.outputs.append(output)
 
     def _forget(self, request_ids: list[str]) -> None:

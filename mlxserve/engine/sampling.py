@@ -119,6 +119,11 @@ def _plain_greedy(params: SamplingParams) -> bool:
     )
 
 
+def unconstrained_greedy(params: SamplingParams, state: SamplerState) -> bool:
+    """Whether this row's token is the plain argmax of its logits (nothing else to apply)."""
+    return _plain_greedy(params) and not state.constrained
+
+
 def pipelinable(params: SamplingParams, state: SamplerState) -> bool:
     """Whether this row's next token can be drawn before its current one is read:
     nothing it samples with depends on the host knowing the tokens so far."""
@@ -165,9 +170,7 @@ def sample_lazy(
     A row's random key is split here, so a row draws the same tokens whenever
     its draw is evaluated.
     """
-    if all(
-        _plain_greedy(p) and not s.constrained for p, s in zip(params_list, states, strict=True)
-    ):
+    if all(unconstrained_greedy(p, s) for p, s in zip(params_list, states, strict=True)):
         return PendingSample(mx.argmax(logits, axis=-1), [None] * len(params_list), params_list)
     picked: list[mx.array] = []
     logprob_rows: list[mx.array | None] = []

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.drafting import Speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget
 from mlxserve.engine.pacing import FRESH_PROMPT_FACTOR, MIN_CHUNK_TOKENS, Pacer
@@ -73,6 +74,7 @@ class Scheduler:
         min_chunk_tokens: int = MIN_CHUNK_TOKENS,
         wake: Callable[[], None] | None = None,
         num_layers: int = 1,
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = config
         # Paced chunks are never cut shorter, so a long prompt always progresses
@@ -95,6 +97,8 @@ class Scheduler:
         self._completed: list[tuple[str, list[int]]] = []
         self._outbox: list[TokenEvent] = []
         self.finish_rule = FinishRule(eos_ids, config.max_model_len)
+        # Drafts for the decode rows (speculative decoding; None when off).
+        self.speculator = speculator
         self.pacer = Pacer(config.max_step_ms)
         disk = prefix_cache.disk if prefix_cache is not None else None
         # Requests whose cached prefix is being read back from the disk tier.
@@ -166,6 +170,8 @@ class Scheduler:
         self._plan_restores(plan)
         self._preempt_for_memory(plan)
         plan.decodes = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if self.speculator is not None:
+            plan.drafts = self.speculator.plan(plan.decodes)
         if not plan.completed:
             self._admit_waiting()
         self._plan_prefills(plan)
@@ -314,7 +320,10 @@ class Scheduler:
     # -- memory ---------------------------------------------------------------
     def _reserve(self, request: Request) -> int:
         left = request.params.max_tokens - len(request.output_ids)
-        return max(0, min(self.config.kv_reserve_tokens, left))
+        wanted = self.config.kv_reserve_tokens
+        if self.speculator is not None:  # a verify step holds its drafts for a moment
+            wanted = max(wanted, self.speculator.max_draft_tokens + 1)
+        return max(0, min(wanted, left))
 
     def _lengths(self, reserve: bool) -> list[int]:
         return [r.cached_len + (self._reserve(r) if reserve else 0) for r in self.running]
@@ -449,6 +458,12 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ERROR)
         elif output.sampled is not None:
             self._accept(request, output.sampled)
+            for sampled in output.accepted:  # a verify step's further tokens, in order
+                if request.status.is_finished:
+                    break
+                self._accept(request, sampled)
+            if output.drafted and self.speculator is not None:
+                self.speculator.observe(request.request_id, output.drafted, len(output.accepted))
 
     def _store(self, request_id: str, snapshot: Snapshot) -> None:
         """Insert a snapshot; a failure costs the entry (a future hit), never the request."""
@@ -491,6 +506,8 @@ class Scheduler:
         self.by_id.pop(request.request_id, None)
         if self.restorer is not None:
             self.restorer.forget(request.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request.request_id)
         # Always released: a preempted request waits without a cache but keeps its sampler.
         self._released.append(request.request_id)
         if request in self.running:
