@@ -32,7 +32,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/mypy mlxserve
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadfile
 
 # The real agent clients (installed from npm) against a scripted checkpoint; not part of CI.
 e2e-clients: $(VENV)/.installed-dev
