@@ -142,7 +142,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=3,
         metavar="N",
-        help="prompt lookup matches the last N tokens (then fewer, down to 1)",
+        help="prompt lookup matches the last N tokens (then fewer, down to 2)",
     )
     p.add_argument(
         "--exit-on-engine-failure",
@@ -265,6 +265,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
+
+    p = bsub.add_parser("speculative", help="prompt-lookup drafts: a copy-heavy reply and noise")
+    p.add_argument("--model", default=None, help="model dir (default: tiny Qwen3, 4-bit)")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.speculative:run")
 
     p = bsub.add_parser("memory", help="long requests through a small KV byte budget")
     p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 llama)")

@@ -188,9 +188,9 @@ class _Row:
 def test_ngram_drafts_follow_the_latest_earlier_match() -> None:
     drafter = NgramDrafter(3)
     assert drafter.propose("a", [5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7], 2) == [9, 5]
-    # Fewer tokens match when the longer n-gram never occurred.
-    assert drafter.propose("b", [1, 2, 3, 4, 9, 4], 3) == [9, 4]
-    assert drafter.propose("c", [1, 2, 3], 3) == []
+    # Fewer tokens match when the longer n-gram never occurred, but never just one.
+    assert drafter.propose("b", [1, 2, 9, 4, 2, 9], 2) == [4, 2]
+    assert drafter.propose("c", [1, 2, 3, 4, 9, 4], 3) == []
 
 
 def test_draft_length_adapts_and_a_missing_row_pauses_the_batch() -> None:
@@ -209,6 +209,9 @@ def test_draft_length_adapts_and_a_missing_row_pauses_the_batch() -> None:
     drafter = Fixed()
     speculator = Speculator(drafter, 3)
     a, b = _request("a"), _request("b")
+    assert speculator.plan([a, b]) == {"a": [1], "b": [4]}  # drafts start at one token
+    speculator.observe("a", 1, 1)
+    speculator.observe("b", 1, 1)
     assert speculator.plan([a, b]) == {"a": [1, 2], "b": [4, 5]}  # one length for the batch
     speculator.observe("a", 2, 0)
     speculator.observe("a", 1, 0)  # two misses in a row: a pause

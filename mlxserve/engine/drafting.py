@@ -4,16 +4,17 @@ A `Drafter` proposes up to k tokens that may follow a request's context; the
 runner verifies them in the step's decode forward (`verify.py`), and the
 request keeps the longest prefix its sampler agrees with. `NgramDrafter` is
 prompt lookup: the most recent earlier place where the context's last n
-tokens occurred (n from `ngram_size` down to 1), and what followed there.
+tokens occurred (n from `ngram_size` down to 2), and what followed there.
 Coding agents re-emit what is already in their context (the file they edit,
 the arguments of a repeated call), so those drafts are often right, with no
 draft model and for every family.
 
 `Speculator` holds each request's drafter state and its draft length, which
-adapts to the request's acceptance: all drafts accepted grows it, a miss
-shrinks it to what was accepted, and a request whose drafts keep missing
-drafts nothing for a while (doubling each time), so a stream speculation
-cannot help pays for a probe now and then, not every step. Rows of one
+adapts to the request's acceptance: it starts at one token, all drafts
+accepted grows it by one, a miss shrinks it to what was accepted, and a
+request whose drafts keep missing drafts nothing for a while (doubling each
+time), so a stream speculation cannot help pays for a probe now and then,
+not every step. Rows of one
 decode batch verify together and keep the same number of tokens (their
 caches advance together), so a batch drafts only when every row has a
 proposal, all of one length.
@@ -30,6 +31,11 @@ from mlxserve.engine.request import Request
 # A request whose drafts missed this many verifies in a row pauses drafting.
 MISSES_BEFORE_PAUSE = 2
 MAX_PAUSE_STEPS = 64
+# Drafts start this short and grow by one per verify that keeps them all, so a
+# request whose drafts miss pays for few extra positions.
+FIRST_DRAFT_TOKENS = 1
+# A single matching token is weak evidence: matches are at least this long.
+MIN_NGRAM = 2
 
 
 class Drafter(Protocol):
@@ -71,7 +77,8 @@ class NgramDrafter:
         index = self._indexes.setdefault(request_id, _NgramIndex(self.ngram_size))
         # The last n-gram itself is not indexed yet: a match is an earlier occurrence.
         index.extend(context, len(context) - 1)
-        for n in range(min(self.ngram_size, len(context)), 0, -1):
+        shortest = min(MIN_NGRAM, self.ngram_size)
+        for n in range(min(self.ngram_size, len(context)), shortest - 1, -1):
             follower = index.last_end[n - 1].get(tuple(context[-n:]))
             if follower is not None:
                 return list(context[follower : follower + k])
@@ -110,7 +117,10 @@ class Speculator:
     def plan(self, decodes: list[Request]) -> dict[str, list[int]]:
         """Drafts for every row, all of one length, or none at all."""
         paces = [
-            self._paces.setdefault(r.request_id, _Pace(self.max_draft_tokens)) for r in decodes
+            self._paces.setdefault(
+                r.request_id, _Pace(min(FIRST_DRAFT_TOKENS, self.max_draft_tokens))
+            )
+            for r in decodes
         ]
         paused = False
         for pace in paces:
