@@ -269,6 +269,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("speculative", help="prompt-lookup drafts: a copy-heavy reply and noise")
     p.add_argument("--model", default=None, help="model dir (default: tiny Qwen3, 4-bit)")
     p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--file-tokens", type=int, default=400, help="the file the reply re-emits")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.speculative:run")
 

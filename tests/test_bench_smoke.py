@@ -70,6 +70,19 @@ def test_bench_structured_reports_its_keys(tmp_path: Path) -> None:
         assert figures[key] > 0
 
 
+def test_bench_speculative_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    out = tmp_path / "speculative.json"
+    model = str(model_dir_factory("qwen3"))
+    args = ["bench", "speculative", "--model", model, "--file-tokens", "40", "--rounds", "1"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    for key in ("ngram_speedup_copy", "ngram_speedup_adversarial", "batch4_speedup_copy"):
+        assert figures[key] > 0
+    # The reply re-emits the prompt's file: drafts are kept, several tokens per forward.
+    assert figures["acceptance_copy"] > 0.5
+    assert figures["tokens_per_forward_copy"] > 1.5
+
+
 def test_bench_memory_reports_its_keys(tmp_path: Path, model_dir_factory, capsys) -> None:
     out = tmp_path / "memory.json"
     model = str(model_dir_factory("llama"))

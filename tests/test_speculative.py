@@ -230,3 +230,19 @@ def test_a_sliding_window_model_decodes_without_drafts(swa_model_dir, monkeypatc
     """A window that wraps inside a verify forward loses what it held: no speculation."""
     params = SamplingParams(max_tokens=24, temperature=0.0)
     _check_parity(swa_model_dir, [(_prompt(5, 9), params)], monkeypatch, verifiable=False)
+
+
+def test_metrics_show_drafts_per_drafter() -> None:
+    from mlxserve.api.metrics import Metrics
+
+    spec = {
+        "drafter": "ngram",
+        "draft_tokens": 12,
+        "accepted_tokens": 9,
+        "verify_forwards": 4,
+        "tokens_per_forward": 3.25,
+    }
+    text = Metrics().render({"speculative": spec}, ready=True)
+    assert 'mlxserve_spec_accepted_tokens_total{drafter="ngram"} 9.0' in text
+    assert 'mlxserve_spec_tokens_per_forward{drafter="ngram"} 3.25' in text
+    assert "mlxserve_spec_" not in Metrics().render({"speculative": None}, ready=True)

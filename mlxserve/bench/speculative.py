@@ -39,7 +39,6 @@ from mlxserve.models.loaded import LoadedModel
 
 FILE_TOKENS = 400
 HEADER_TOKENS = 8
-ROUNDS = 3
 FORCED_LOGIT = 100.0
 
 
@@ -87,13 +86,12 @@ def _copy_model(path: Path, prompt_len: int, reply: list[int]) -> LoadedModel:
     return model
 
 
-def _file(seed: int) -> list[int]:
+def _file(seed: int, length: int = FILE_TOKENS) -> list[int]:
     """400 tokens of a file: a few recurring tokens (indentation, punctuation) among
     mostly distinct ones, so its 3-token runs rarely repeat, as in real source."""
     common = [220, 11, 13, 25]
     return [
-        common[i % 4] if i % 5 == 4 else 1000 + (seed * 997 + i * 37) % 60000
-        for i in range(FILE_TOKENS)
+        common[i % 4] if i % 5 == 4 else 1000 + (seed * 997 + i * 37) % 60000 for i in range(length)
     ]
 
 
@@ -126,7 +124,7 @@ async def _engine(loader: Any, speculative: str, k: int) -> AsyncEngine:
 
 
 async def _side_by_side(
-    loader: Any, prompts: list[list[int]], params: SamplingParams, k: int
+    loader: Any, prompts: list[list[int]], params: SamplingParams, k: int, rounds: int
 ) -> tuple[float, dict[str, Any]]:
     """Median over rounds of (tokens/s with drafts) / (without), and the drafts' stats."""
     plain, drafted = await _engine(loader, "off", k), await _engine(loader, "ngram", k)
@@ -134,7 +132,7 @@ async def _side_by_side(
         await _rate(plain, prompts[:1], params)  # warm-up
         await _rate(drafted, prompts[:1], params)
         ratios = []
-        for _ in range(ROUNDS):
+        for _ in range(rounds):
             without = await _rate(plain, prompts, params)
             with_drafts = await _rate(drafted, prompts, params)
             ratios.append(with_drafts / without)
@@ -144,20 +142,20 @@ async def _side_by_side(
         await drafted.shutdown()
 
 
-async def _measure(path: Path, k: int) -> dict[str, Any]:
-    text = _file(0)
-    prompt_len = HEADER_TOKENS + FILE_TOKENS + 4
+async def _measure(path: Path, k: int, file_tokens: int, rounds: int) -> dict[str, Any]:
+    text = _file(0, file_tokens)
+    prompt_len = HEADER_TOKENS + file_tokens + 4
     prompts = [[50 + row] * HEADER_TOKENS + text + [7, 8, 9, 10] for row in range(4)]
-    copy = SamplingParams(max_tokens=FILE_TOKENS + 8, temperature=0.0)
+    copy = SamplingParams(max_tokens=file_tokens + 8, temperature=0.0)
 
     def copy_loader() -> LoadedModel:
         return _copy_model(path, prompt_len, text)
 
-    single, stats = await _side_by_side(copy_loader, prompts[:1], copy, k)
-    batch, _ = await _side_by_side(copy_loader, prompts, copy, k)
-    noise = SamplingParams(max_tokens=128, temperature=0.0, ignore_eos=True)
+    single, stats = await _side_by_side(copy_loader, prompts[:1], copy, k, rounds)
+    batch, _ = await _side_by_side(copy_loader, prompts, copy, k, rounds)
+    noise = SamplingParams(max_tokens=file_tokens // 3, temperature=0.0, ignore_eos=True)
     adversarial, noise_stats = await _side_by_side(
-        lambda: load(path), [[11 + 3 * i for i in range(64)]], noise, k
+        lambda: load(path), [[11 + 3 * i for i in range(64)]], noise, k, rounds
     )
     drafted = stats.get("draft_tokens", 0)
     return {
@@ -176,7 +174,7 @@ async def _measure(path: Path, k: int) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else quantized_tiny("qwen3", Path(tmp))
-        figures = asyncio.run(_measure(path, args.num_draft_tokens))
+        figures = asyncio.run(_measure(path, args.num_draft_tokens, args.file_tokens, args.rounds))
     figures["backend"] = "gpu" if mx.default_device() == mx.gpu else "cpu"
     emit("speculative", figures, args.json)
     return 0
