@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import mlx.core as mx
 
 from mlxserve.bench.disk_cache import quantized_tiny
 from mlxserve.bench.report import emit
+from mlxserve.bench.structured import aggregate_rate
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.request import SamplingParams
@@ -95,26 +95,6 @@ def _file(seed: int, length: int = FILE_TOKENS) -> list[int]:
     ]
 
 
-async def _stream(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> Any:
-    first = last = 0.0
-    tokens = 0
-    async for event in engine.submit(prompt, params):
-        if event.token_id is None:
-            continue
-        last = time.perf_counter()
-        first = first or last
-        tokens += 1
-    return first, last, tokens
-
-
-async def _rate(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> float:
-    """Aggregate decode tokens/s once every stream has its first token."""
-    results = await asyncio.gather(*(_stream(engine, p, params) for p in prompts))
-    start = max(r[0] for r in results)
-    end = max(r[1] for r in results)
-    return (sum(r[2] for r in results) - len(prompts)) / max(end - start, 1e-9)
-
-
 async def _engine(loader: Any, speculative: str, k: int) -> AsyncEngine:
     config = EngineConfig(prefix_cache=False, speculative=speculative, num_draft_tokens=k)
     engine = AsyncEngine(config, loader)
@@ -129,12 +109,12 @@ async def _side_by_side(
     """Median over rounds of (tokens/s with drafts) / (without), and the drafts' stats."""
     plain, drafted = await _engine(loader, "off", k), await _engine(loader, "ngram", k)
     try:
-        await _rate(plain, prompts[:1], params)  # warm-up
-        await _rate(drafted, prompts[:1], params)
+        await aggregate_rate(plain, prompts[:1], params)  # warm-up
+        await aggregate_rate(drafted, prompts[:1], params)
         ratios = []
         for _ in range(rounds):
-            without = await _rate(plain, prompts, params)
-            with_drafts = await _rate(drafted, prompts, params)
+            without = await aggregate_rate(plain, prompts, params)
+            with_drafts = await aggregate_rate(drafted, prompts, params)
             ratios.append(with_drafts / without)
         return statistics.median(ratios), dict(drafted.stats()["speculative"] or {})
     finally:

@@ -34,9 +34,10 @@ ROUNDS = 3
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
 
-async def _stream(
+async def stream_times(
     engine: AsyncEngine, prompt: list[int], params: SamplingParams
 ) -> tuple[float, float, int]:
+    """(first token time, last token time, tokens) of one request."""
     first = last = 0.0
     tokens = 0
     async for event in engine.submit(prompt, params):
@@ -49,12 +50,19 @@ async def _stream(
     return first, last, tokens
 
 
-async def _rate(engine: AsyncEngine, concurrency: int, params: SamplingParams) -> float:
-    prompts = [[5 + 11 * i + j for j in range(32)] for i in range(concurrency)]
-    results = await asyncio.gather(*(_stream(engine, p, params) for p in prompts))
+async def aggregate_rate(
+    engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams
+) -> float:
+    """Decode tokens/s of the requests together, from when every one has its first token."""
+    results = await asyncio.gather(*(stream_times(engine, p, params) for p in prompts))
     start = max(r[0] for r in results)  # every row is decoding from here on
     end = max(r[1] for r in results)
-    return (sum(r[2] for r in results) - concurrency) / max(end - start, 1e-9)
+    return (sum(r[2] for r in results) - len(prompts)) / max(end - start, 1e-9)
+
+
+async def _rate(engine: AsyncEngine, concurrency: int, params: SamplingParams) -> float:
+    prompts = [[5 + 11 * i + j for j in range(32)] for i in range(concurrency)]
+    return await aggregate_rate(engine, prompts, params)
 
 
 async def _family(path: Path, tokens: int) -> dict[str, float]:

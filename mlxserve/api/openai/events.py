@@ -153,14 +153,7 @@ def chat_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[st
         "logprobs": chat_logprobs(acc.logprobs) if acc.logprobs else None,
         "finish_reason": acc.finish_reason or "stop",
     }
-    return {
-        "id": meta.id,
-        "object": "chat.completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-        "usage": usage.to_dict(),
-    }
+    return _whole(meta, "chat.completion", choice, usage)
 
 
 def text_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[str, Any]:
@@ -170,9 +163,14 @@ def text_response(meta: ResponseMeta, acc: Accumulator, usage: Usage) -> dict[st
         "logprobs": text_logprobs(acc.logprobs) if acc.logprobs else None,
         "finish_reason": acc.finish_reason or "stop",
     }
+    return _whole(meta, "text_completion", choice, usage)
+
+
+def _whole(meta: ResponseMeta, kind: str, choice: dict[str, Any], usage: Usage) -> dict[str, Any]:
+    """A non-streamed response object around its one choice."""
     return {
         "id": meta.id,
-        "object": "text_completion",
+        "object": kind,
         "created": meta.created,
         "model": meta.model,
         "choices": [choice],
