@@ -227,13 +227,16 @@ class EngineCore:
         """The drafter for `--speculative`, where this model's caches can be cut back."""
         c = self.config
         speculator = make_speculator(c.speculative, c.num_draft_tokens, c.ngram_size)
-        if speculator is not None and not runner.verifiable:
+        if speculator is None:
+            return None
+        if runner.verify_rows_limit == 0:
             logger.warning(
                 "speculative decoding is off for %s: its caches cannot be cut back after "
                 "a verify forward yet",
                 model.model_type,
             )
             return None
+        speculator.max_rows = runner.verify_rows_limit
         return speculator
 
     def _open_disk(self, model: LoadedModel) -> DiskTier | None:

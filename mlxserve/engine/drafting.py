@@ -113,6 +113,8 @@ class Speculator:
         self.max_draft_tokens = max_draft_tokens
         self.counters = SpeculationCounters()
         self._paces: dict[str, _Pace] = {}
+        # The most rows the runner verifies together (None: any).
+        self.max_rows: int | None = None
 
     def plan(self, decodes: list[Request]) -> dict[str, list[int]]:
         """Drafts for every row, all of one length, or none at all."""
@@ -128,6 +130,8 @@ class Speculator:
                 pace.pause -= 1
                 paused = True
         if paused or not decodes:
+            return {}
+        if self.max_rows is not None and len(decodes) > self.max_rows:
             return {}
         proposals: dict[str, list[int]] = {}
         for request, pace in zip(decodes, paces, strict=True):

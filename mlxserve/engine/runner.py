@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
@@ -52,6 +52,7 @@ from mlxserve.engine.plan import (
 from mlxserve.engine.prefill_group import GroupedPrefill, grouped_forward, pick_group
 from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
+from mlxserve.engine.rollback import CutBack, verify_rows_limit
 from mlxserve.engine.sampling import (
     PendingSample,
     SampledRow,
@@ -110,9 +111,8 @@ class Runner:
         self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).
         self.group_prefill = self.completion_snapshots
-        # Drafts are verified only where a verify forward can be cut back after it: plain
-        # KV caches (a sliding window that wraps during the forward has lost what it held).
-        self.verifiable = bool(probe) and all(type(c) is KVCache for c in probe)
+        # How many rows may verify drafts together (`rollback.py`; 0: none, None: any).
+        self.verify_rows_limit = verify_rows_limit(probe, self.batchable)
         if not self.batchable:
             kinds = sorted({type(layer).__name__ for layer in probe})
             logger.warning(
@@ -429,9 +429,10 @@ class Runner:
     ) -> bool:
         if not requests or not all(drafts.get(r.request_id) for r in requests):
             return False
-        if self.batchable and len(requests) != len(self.batch.request_ids):
+        limit = self.verify_rows_limit
+        if limit is not None and len(requests) > limit:
             return False
-        return can_trim_prompt_cache(cache)
+        return not self.batchable or len(requests) == len(self.batch.request_ids)
 
     def _verify(
         self,
@@ -447,12 +448,13 @@ class Runner:
             request_ids = [r.request_id for r in requests]
             self._check(faults.FORWARD, request_ids)
             rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
+            cut = CutBack(cache, len(rows[0]))
             logits = self.model.model(mx.array(rows, dtype=mx.int32), cache)
             self._check(faults.SAMPLE, request_ids)
             states = [self.samplers[rid] for rid in request_ids]
             kept = verify_rows(logits, requests, drafts, states)
             # The cache holds every fed position; the last kept token is fed next step.
-            trim_prompt_cache(cache, len(rows[0]) - len(kept[0]))
+            cut.keep(len(kept[0]), len(requests))
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("verify step failed for %d request(s)", len(requests))
             self._decode_failed(requests, e, result)

@@ -41,6 +41,11 @@ class BatchCarryingPoolingCache(BatchPoolingCache):
         self.carry_kv: mx.array | None = None
         self.carry_gate: mx.array | None = None
         self.has_carry: list[bool] = [False] * len(left_padding)
+        # While a verify forward runs: the carry before it, the pool lengths before
+        # it, and the windows it pooled (column 0: the carry it started from).
+        self._carry_before: tuple[Any, Any, list[bool]] | None = None
+        self._pools_before: list[int] = []
+        self._spec_windows: tuple[mx.array, mx.array] | None = None
 
     # -- carry bookkeeping ----------------------------------------------------
     def carry_for(self, windows_kv: mx.array, windows_gate: mx.array) -> tuple[mx.array, mx.array]:
@@ -59,6 +64,42 @@ class BatchCarryingPoolingCache(BatchPoolingCache):
 
     def pool_lengths(self) -> list[int]:
         return [int(n) for n in self.offset.tolist()]
+
+    # -- speculation: a verify forward, then the kept positions ---------------
+    # mlx-vlm's transaction (`start_speculative_cache`) keeps the pools of the kept
+    # positions; the carry must then be the last window those positions completed.
+    def start_speculation(self, length: int) -> int:
+        generation = int(super().start_speculation(length))
+        self._carry_before = (self.carry_kv, self.carry_gate, list(self.has_carry))
+        self._pools_before = self.pool_lengths()
+        self._spec_windows = None
+        return generation
+
+    def record_windows(self, windows_kv: mx.array, windows_gate: mx.array) -> None:
+        """The windows a speculative call pooled, carry first (see `CarryingCompressor`)."""
+        self._spec_windows = (windows_kv, windows_gate)
+
+    def commit_speculation(self, lengths: Any, generation: int | None = None) -> None:
+        super().commit_speculation(lengths, generation)
+        windows, self._spec_windows = self._spec_windows, None
+        assert self._carry_before is not None
+        carry_kv, carry_gate, had = self._carry_before
+        self._carry_before = None
+        if windows is None:  # the forward completed no window: the carry stands
+            self.carry_kv, self.carry_gate, self.has_carry = carry_kv, carry_gate, had
+            return
+        after = self.pool_lengths()
+        kept = [n - before for n, before in zip(after, self._pools_before, strict=True)]
+        rows, last = mx.arange(len(kept)), mx.array(kept, dtype=mx.int32)
+        self.carry_kv = mx.contiguous(windows[0][rows, last]) + 0
+        self.carry_gate = mx.contiguous(windows[1][rows, last]) + 0
+        self.has_carry = [carried or n > 0 for carried, n in zip(had, kept, strict=True)]
+
+    def abort_speculation(self, generation: int | None = None) -> None:
+        super().abort_speculation(generation)
+        if self._carry_before is not None:
+            self.carry_kv, self.carry_gate, self.has_carry = self._carry_before
+        self._carry_before, self._spec_windows = None, None
 
     # -- state ----------------------------------------------------------------
     @property

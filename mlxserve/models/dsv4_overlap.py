@@ -105,6 +105,8 @@ class CarryingCompressor(nn.Module):
         # (rows that completed fewer windows are zero-padded after theirs).
         windows_kv = mx.concatenate([carry_kv[:, None], windows_kv], axis=1)
         windows_gate = mx.concatenate([carry_gate[:, None], windows_gate], axis=1)
+        if pool_cache.is_speculating:  # a verify forward: its kept windows pick the carry
+            pool_cache.record_windows(windows_kv, windows_gate)
         pooled = overlap_pool(windows_kv, windows_gate, self.inner.ape)[:, 1:]
         before = pool_cache.pool_lengths()
         fetched = pool_cache.update_and_fetch(self._place(pooled, pool_base))
