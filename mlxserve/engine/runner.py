@@ -410,7 +410,7 @@ class Runner:
             by_id = {r.request_id: r for r in plan.decodes}
             ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
             cache = self.batch.cache
-            if self.batch.ahead is None and self._verifiable(ordered, drafts, cache):
+            if self.batch.ahead is None and self._verifiable(ordered, drafts):
                 self._verify(
                     ordered, [drafts[r.request_id] for r in ordered], cache, finish, result
                 )
@@ -418,15 +418,13 @@ class Runner:
             return self._decode_group(ordered, cache, finish, result, ahead, overlap)
         for request in plan.decodes:
             cache = self.caches[request.request_id]
-            if self._verifiable([request], drafts, cache):
+            if self._verifiable([request], drafts):
                 self._verify([request], [drafts[request.request_id]], cache, finish, result)
             else:
                 self._decode_group([request], cache, finish, result)
         return None
 
-    def _verifiable(
-        self, requests: list[Request], drafts: dict[str, list[int]], cache: list[Any]
-    ) -> bool:
+    def _verifiable(self, requests: list[Request], drafts: dict[str, list[int]]) -> bool:
         if not requests or not all(drafts.get(r.request_id) for r in requests):
             return False
         limit = self.verify_rows_limit
