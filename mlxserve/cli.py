@@ -259,6 +259,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--agents", type=int, default=6)
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=16,
+        help="the server's prefix-cache entries (full by the warm point, so RSS growth is a leak)",
+    )
     p.set_defaults(handler="mlxserve.bench.soak:run")
 
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")

@@ -180,14 +180,16 @@ def _free_port() -> int:
 class LocalServer:
     """`mlxserve serve` in a subprocess on a free loopback port (stopped on exit)."""
 
-    def __init__(self, model: str | None, max_num_seqs: int) -> None:
+    def __init__(
+        self, model: str | None, max_num_seqs: int, extra_args: tuple[str, ...] = ()
+    ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         source = ["--demo"] if model is None else [model]
         self.command = [
             sys.executable, "-m", "mlxserve.cli", "serve", *source,
             "--port", str(self.port), "--served-model-name", "bench",
-            "--max-num-seqs", str(max_num_seqs), "--log-level", "warning",
+            "--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *extra_args,
         ]  # fmt: skip
         self.process: subprocess.Popen[bytes] | None = None
 
