@@ -19,7 +19,12 @@ FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41", "scripted")
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
-    p.add_argument("model", nargs="?", help="MLX model directory")
+    p.add_argument(
+        "model",
+        nargs="?",
+        help="MLX model directory, or a Hugging Face id ORG/NAME[@REVISION] (fetched into "
+        "the HF cache; HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; a directory wins)",
+    )
     p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo model")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -179,7 +184,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="print a greedy completion (single-sequence loop)")
-    p.add_argument("model", nargs="?", help="MLX model directory")
+    p.add_argument("model", nargs="?", help="MLX model directory or Hugging Face ORG/NAME")
     p.add_argument("--demo", action="store_true", help="use the tiny random-weight demo model")
     p.add_argument("--prompt", default="Hello")
     p.add_argument("--max-tokens", type=int, default=32)

@@ -253,6 +253,12 @@ SETTINGS_CASES: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
         {"max_output_tokens": 7, "temperature": 0, "top_p": 0.5},
         {"max_tokens": 7, "temperature": 0.0, "top_p": 0.5},
     ),
+    (
+        "logprobs included",
+        {"include": ["message.output_text.logprobs"], "top_logprobs": 3},
+        {"logprobs": True, "top_logprobs": 3},
+    ),
+    ("top_logprobs alone asks for none", {"top_logprobs": 3}, {"logprobs": False}),
 ]
 
 
@@ -269,6 +275,8 @@ def test_request_settings(name: str, extra: dict[str, Any], expected: dict[str, 
         "max_tokens": gen.sampling.max_tokens,
         "temperature": gen.sampling.temperature,
         "top_p": gen.sampling.top_p,
+        "logprobs": gen.sampling.logprobs,
+        "top_logprobs": gen.sampling.top_logprobs,
     }
     assert {k: got[k] for k in expected} == expected
     assert not gen.sampling.clamp_max_tokens

@@ -16,6 +16,7 @@ from mlxserve.api.pipeline import (
     Accumulator,
     EngineRequestFailed,
     OutputDelta,
+    TokenLogprob,
     ToolCallDelta,
     Usage,
 )
@@ -320,6 +321,66 @@ def test_non_streaming_items_keep_the_order_of_text_and_calls() -> None:
     assert writer.final is not None
     assert _without_ids(body["output"]) == _without_ids(writer.final["output"])
     Response.model_validate(body)
+
+
+def _lp(token: str) -> TokenLogprob:
+    return TokenLogprob(token, -0.25, ((token, -0.25), ("ü", -1.5)))
+
+
+def _tokens(logprobs: list[dict[str, Any]]) -> list[str]:
+    return [lp["token"] for lp in logprobs]
+
+
+LOGPROB_DELTAS = [
+    OutputDelta(reasoning="Plan.", logprobs=[_lp("Plan.")]),
+    OutputDelta(logprobs=[_lp("</think>")]),  # markup: no output of its own
+    OutputDelta(content="Hi", logprobs=[_lp("Hi")]),
+    OutputDelta(logprobs=[_lp(" th")]),  # held back (it could start a stop string)
+    OutputDelta(content=" there", logprobs=[_lp("ere")]),
+    OutputDelta(tool_calls=[_start(0), ToolCallDelta(0, arguments=ARGS)], logprobs=[_lp("<c>")]),
+    OutputDelta(content="Done.", logprobs=[_lp("Done.")], finish_reason="tool_calls"),
+]
+
+
+def test_text_carries_the_logprobs_of_its_tokens_streamed_and_not() -> None:
+    """Each text delta carries the tokens since the last output; reasoning and call
+    tokens stay out; the done event and the part repeat the part's tokens in order."""
+    shell = _shell(include_logprobs=True)
+    events, writer = _run(LOGPROB_DELTAS, finish="tool_calls", shell=shell)
+    deltas = [_tokens(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas == [["</think>", "Hi"], [" th", "ere"], ["Done."]]
+    done = [_tokens(e["logprobs"]) for e in events if e["type"] == "response.output_text.done"]
+    assert done == [["</think>", "Hi", " th", "ere"], ["Done."]]
+    for event in events:
+        EVENT_TYPES[event["type"]].model_validate(event)
+    assert writer.final is not None
+    parts = [i["content"][0] for i in writer.final["output"] if i["type"] == "message"]
+    assert [_tokens(part["logprobs"]) for part in parts] == done
+    assert parts[1]["logprobs"] == [
+        {
+            "token": "Done.",
+            "bytes": list(b"Done."),
+            "logprob": -0.25,
+            "top_logprobs": [
+                {"token": "Done.", "bytes": list(b"Done."), "logprob": -0.25},
+                {"token": "ü", "bytes": list("ü".encode()), "logprob": -1.5},
+            ],
+        }
+    ]
+    Response.model_validate(writer.final)
+    acc = Accumulator()
+    for delta in LOGPROB_DELTAS:
+        acc.add(delta)
+    body = response_body(shell, acc, USAGE)
+    assert _without_ids(body["output"]) == _without_ids(writer.final["output"])
+
+
+def test_no_logprobs_unless_included() -> None:
+    events, writer = _run(LOGPROB_DELTAS, finish="tool_calls")
+    assert all(not e.get("logprobs") for e in events)
+    assert writer.final is not None
+    parts = [i["content"][0] for i in writer.final["output"] if i["type"] == "message"]
+    assert parts and all("logprobs" not in part for part in parts)
 
 
 def _body(i: int) -> dict[str, Any]:

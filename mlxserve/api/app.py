@@ -83,6 +83,8 @@ async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
             next_report += every_s
     if state.engine.load_error is not None:
         logger.error("the model failed to load: %s", state.engine.load_error)
+        if state.on_load_failure is not None:
+            state.on_load_failure(state.engine.load_error)
     else:
         logger.info("model ready in %.1f s", time.monotonic() - start)
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from mlxserve.api.structured import OutputConstraint
 from mlxserve.chat import PromptRequest
 
+# The most alternatives a token's log-probability lists (OpenAI's limit on every route).
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class Sampling:

@@ -42,6 +42,11 @@ class ToolCallDelta:
     arguments: str = ""
 
 
+# A token the grammar masks out has log-probability -inf, which JSON cannot carry; vLLM
+# sends -9999.0 for it, and so does this server.
+LOGPROB_FLOOR = -9999.0
+
+
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
@@ -220,11 +225,38 @@ class OutputPipeline:
 
     def _token_logprob(self, token: int, event: TokenEvent) -> TokenLogprob:
         assert event.logprob is not None
-        top = tuple((self._token_text(t), float(lp)) for t, lp in (event.top_logprobs or ()))
-        return TokenLogprob(self._token_text(token), float(event.logprob), top)
+        top = tuple((self._token_text(t), _floored(lp)) for t, lp in (event.top_logprobs or ()))
+        return TokenLogprob(self._token_text(token), _floored(event.logprob), top)
 
     def _token_text(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))
+
+
+def _floored(logprob: float) -> float:
+    return max(float(logprob), LOGPROB_FLOOR)
+
+
+class TextLogprobs:
+    """Which tokens' log-probabilities belong to the text of each delta, in order.
+
+    A token's text can come out after its log-probability (held back by the
+    detokenizer, a possible stop string or a parser still deciding what it
+    reads): those wait for the next text. Tokens that come out as reasoning or
+    as a tool call belong to that, not to the text.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: list[TokenLogprob] = []
+
+    def take(self, delta: OutputDelta) -> list[TokenLogprob]:
+        """The log-probabilities of `delta.content` (empty when it has none)."""
+        self._waiting += delta.logprobs
+        if delta.content:
+            taken, self._waiting = self._waiting, []
+            return taken
+        if delta.reasoning or delta.tool_calls:
+            self._waiting = []
+        return []
 
 
 @dataclass
@@ -245,13 +277,19 @@ class Accumulator:
         self.finish_reason: str | None = None
         # The order output came in: ("reasoning" | "text", piece) or ("call", index).
         self._order: list[tuple[str, str | int]] = []
+        # The log-probabilities of each text piece, by its place in `_order`.
+        self._text_logprobs = TextLogprobs()
+        self._piece_logprobs: dict[int, list[TokenLogprob]] = {}
 
     def add(self, delta: OutputDelta) -> None:
         if delta.reasoning:
             self.reasoning.append(delta.reasoning)
             self._order.append(("reasoning", delta.reasoning))
+        text_logprobs = self._text_logprobs.take(delta)
         if delta.content:
             self.content.append(delta.content)
+            if text_logprobs:
+                self._piece_logprobs[len(self._order)] = text_logprobs
             self._order.append(("text", delta.content))
         for tc in delta.tool_calls:
             if tc.index not in self.calls:
@@ -273,9 +311,10 @@ class Accumulator:
     def in_order(self) -> list[OutputDelta]:
         """The output as it was made, one delta per stretch of reasoning or text and
         one per whole tool call, as a stream shows it. Calls later discarded are left
-        out, and the text on either side of one joins."""
+        out, and the text on either side of one joins. A text run carries its tokens'
+        log-probabilities (see `TextLogprobs`)."""
         runs: list[OutputDelta] = []
-        for kind, value in self._order:
+        for place, (kind, value) in enumerate(self._order):
             if kind == "call":
                 call = self.calls.get(int(value))
                 if call is not None:
@@ -288,10 +327,12 @@ class Accumulator:
                 last.reasoning += piece
             elif kind == "text" and last is not None and last.content:
                 last.content += piece
+                last.logprobs += self._piece_logprobs.get(place, [])
             elif kind == "reasoning":
                 runs.append(OutputDelta(reasoning=piece))
             else:
-                runs.append(OutputDelta(content=piece))
+                logprobs = list(self._piece_logprobs.get(place, ()))
+                runs.append(OutputDelta(content=piece, logprobs=logprobs))
         return runs
 
     def message(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
+from mlxserve.models.resolve import resolve_model
 from mlxserve.versions import check_versions
 
 logger = logging.getLogger("mlxserve.serve")
@@ -76,8 +77,22 @@ def model_path(args: argparse.Namespace) -> Path:
                 "give MODEL_DIR before --served-model-name (which takes several names): "
                 f"mlxserve serve {names[-1]} --served-model-name {' '.join(names[:-1])}"
             )
-        raise ValueError("give a MODEL_DIR or --demo")
-    return Path(args.model)
+        raise ValueError("give a MODEL (a directory or a Hugging Face ORG/NAME) or --demo")
+    return resolve_model(args.model)
+
+
+def checked_model_path(args: argparse.Namespace) -> Path:
+    """The model's directory, checked as far as it can be without loading it.
+
+    Runs before the port is bound: a Hugging Face id is resolved (downloaded if
+    need be) and a model that cannot load (no such name, a missing file, an
+    unsupported family) raises ModelLoadError with the reason.
+    """
+    from mlxserve.models.load import check_model_dir
+
+    path = model_path(args)
+    check_model_dir(path, args.chat_encoder)
+    return path
 
 
 def build_app(
@@ -92,7 +107,7 @@ def build_app(
     if loader is None:
         from mlxserve.models import load
 
-        path = model_path(args)
+        path = checked_model_path(args)
         encoder = scfg.chat_encoder
 
         def loader() -> LoadedModel:
@@ -141,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level: str) -> int:
-    """Run uvicorn until it stops; 1 if the engine thread died (with
-    `--exit-on-engine-failure` that ends the server at once, for a supervisor)."""
+    """Run uvicorn until it stops; 1 if the model failed to load (that ends the server at
+    once: it could never answer) or the engine thread died (with `--exit-on-engine-failure`
+    that ends it at once too, for a supervisor)."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -155,6 +171,12 @@ def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level:
             logger.critical("exiting: the engine failed (%s)", reason)
             server.should_exit = True
 
+    def on_load_failure(reason: str) -> None:
+        logger.critical("exiting: the model failed to load (%s)", reason)
+        server.should_exit = True
+
     state.on_engine_failure = on_engine_failure
+    state.on_load_failure = on_load_failure
     server.run()
-    return 1 if state.engine.failure is not None else 0
+    failed = state.engine.failure is not None or state.engine.load_error is not None
+    return 1 if failed else 0

@@ -88,6 +88,8 @@ class ServerState:
     load_progress: LoadProgress | None = None
     # Called once with the reason when the engine thread dies (`serve` ends the process).
     on_engine_failure: Callable[[str], None] | None = None
+    # Called once with the reason when the model fails to load at start (`serve` exits).
+    on_load_failure: Callable[[str], None] | None = None
     _parsers: ParserSpec | None = None
     _context_limit: int | None = None
     _names_seen: set[str] = field(default_factory=set)

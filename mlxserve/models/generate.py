@@ -34,6 +34,8 @@ def greedy_generate(
 
 def run(args: argparse.Namespace) -> int:
     from mlxserve.models.load import load
+    from mlxserve.models.loaded import ModelLoadError
+    from mlxserve.models.resolve import resolve_model
 
     if args.demo:
         from mlxserve.models.demo import RANDOM_WEIGHTS_NOTICE, demo_model_path
@@ -43,9 +45,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.model:
         path = args.model
     else:
-        print("error: give a MODEL directory or --demo", file=sys.stderr)
+        print(
+            "error: give a MODEL (a directory or a Hugging Face ORG/NAME) or --demo",
+            file=sys.stderr,
+        )
         return 2
-    model = load(path)
+    try:
+        model = load(resolve_model(path))
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompt_ids = model.tokenizer.encode(args.prompt)
     detokenizer = model.tokenizer.detokenizer
     detokenizer.reset()

@@ -42,6 +42,48 @@ def _check_files(path: Path) -> None:
         raise ModelLoadError(f"no tokenizer.json or tokenizer.model in {path}")
 
 
+def _check_supported(path: Path, config: dict[str, Any]) -> None:
+    """Fail now, not minutes into a load, when no library has a module for this family."""
+    model_type = config["model_type"]
+    if model_type in VLM_TYPES or config.get("model_file"):
+        return  # mlx-vlm's module, or one the checkpoint ships (mlx-lm checks it at load)
+    import importlib.util
+
+    from mlx_lm.utils import MODEL_ARCHITECTURE_REMAPPING, MODEL_REMAPPING
+
+    # The module names mlx-lm would try: by architecture first, then by model_type.
+    architectures = config.get("architectures") or ()
+    if isinstance(architectures, str):
+        architectures = (architectures,)
+    modules = [MODEL_ARCHITECTURE_REMAPPING.get((model_type, str(a))) for a in architectures]
+    modules.append(MODEL_REMAPPING.get(model_type, model_type))
+    names = [m for m in modules if m and m.isidentifier()]
+    if not any(importlib.util.find_spec(f"mlx_lm.models.{m}") for m in names):
+        raise ModelLoadError(
+            f"model_type {model_type!r} in {path / 'config.json'} is not supported by mlx-lm "
+            f"(nor mlx-vlm's {', '.join(sorted(VLM_TYPES))})"
+        )
+
+
+def check_model_dir(path: str | Path, chat_encoder: str = "auto") -> dict[str, Any]:
+    """What can be checked without loading: config, files, family and prompt encoder.
+
+    `serve` runs it before it binds its port, so a model that cannot load stops the
+    process with the reason instead of leaving a server that can never answer.
+    Returns the config.
+    """
+    path = Path(path)
+    config = read_config(path)
+    try:
+        choose_encoder(config["model_type"], chat_encoder)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
+    if not is_scripted(config):
+        _check_files(path)
+        _check_supported(path, config)
+    return config
+
+
 def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> Any:
     """The model module, its weights materialised slice by slice (progress by bytes)."""
     model_type = config["model_type"]
@@ -131,15 +173,11 @@ def load(
     """
     progress = progress or LoadProgress(bar=False)
     path = Path(path)
-    config = read_config(path)
-    try:
-        encoder = choose_encoder(config["model_type"], chat_encoder)
-    except ValueError as e:
-        raise ModelLoadError(str(e)) from e
+    config = check_model_dir(path, chat_encoder)
+    encoder = choose_encoder(config["model_type"], chat_encoder)
     model_type = config["model_type"]
     if is_scripted(config):
         return _load_scripted(path, config, encoder)
-    _check_files(path)
     logger.info("loading %s model from %s", model_type, path)
     try:
         module = _load_module(path, config, progress)

@@ -14,7 +14,7 @@ from pydantic import field_validator
 
 from mlxserve.api.body import FunctionSpec, Strict
 from mlxserve.api.errors import APIError
-from mlxserve.api.generation import Sampling
+from mlxserve.api.generation import MAX_TOP_LOGPROBS, Sampling
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_STOP_STRINGS = 16
@@ -116,6 +116,13 @@ class ChatCompletionRequest(_SamplingFields):
                 )
         return value
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+        return value
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
@@ -137,5 +144,5 @@ class CompletionRequest(_SamplingFields):
             raise APIError(400, "suffix is not supported", param="suffix")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of > 1 is not supported", param="best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise APIError(400, "logprobs must be in [0, 20]", param="logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_TOP_LOGPROBS}]", param="logprobs")

@@ -429,6 +429,8 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
         max_tokens_param="max_output_tokens",
         temperature=req.temperature,
         top_p=req.top_p,
+        logprobs=req.include_logprobs,
+        top_logprobs=(req.top_logprobs or 0) if req.include_logprobs else 0,
     )
     generation = ChatGeneration(
         prompt=prompt,
@@ -459,6 +461,7 @@ def echo_settings(req: ResponsesRequest) -> dict[str, Any]:
         "store": req.stores,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "top_p": 1.0 if req.top_p is None else req.top_p,
+        "top_logprobs": req.top_logprobs or 0,
         "text": text,
         "tool_choice": req.tool_choice or "auto",
         "tools": list(req.tools or ()),

@@ -17,7 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxserve.api.blocks import REASONING, TEXT, BlockSequencer
-from mlxserve.api.pipeline import Accumulator, OutputDelta, ToolCallDelta, Usage
+from mlxserve.api.pipeline import (
+    Accumulator,
+    OutputDelta,
+    TextLogprobs,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
 from mlxserve.api.sealed import seal_reasoning
 from mlxserve.api.sse import SSE_COMMENT, sse
 from mlxserve.api.writer import RunEnd
@@ -40,6 +47,8 @@ class ResponseShell:
     # The request's settings as the response echoes them (tools, tool_choice, ...).
     settings: Mapping[str, Any] = field(default_factory=dict)
     include_encrypted: bool = False
+    # `include: ["message.output_text.logprobs"]`: output text carries token log-probabilities.
+    include_logprobs: bool = False
     # Prompt tool name -> (namespace, name) for namespaced functions.
     namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
@@ -57,6 +66,30 @@ def usage_body(usage: Usage, reasoning_tokens: int = 0) -> dict[str, Any]:
         },
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
+
+
+def event_logprobs(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Log-probabilities as the text delta and done events spell them."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "top_logprobs": [{"token": t, "logprob": v} for t, v in lp.top],
+        }
+        for lp in items
+    ]
+
+
+def part_logprobs(items: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """Log-probabilities as an `output_text` part spells them (with UTF-8 bytes)."""
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": logprob}
+
+    return [
+        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in items
+    ]
 
 
 def response_object(
@@ -109,6 +142,10 @@ class ResponseEvents(BlockSequencer[Event]):
         self._seq = 0
         self._item: dict[str, Any] = {}  # the open item, as `added` showed it
         self._status = "completed"  # what closing the open item makes it
+        # Log-probabilities of text not yet appended, and of the open text part.
+        self._text_logprobs = TextLogprobs()
+        self._unsent: list[TokenLogprob] = []
+        self._part_logprobs: list[TokenLogprob] = []
 
     def _event(self, kind: str, **fields: Any) -> Event:
         event = {"type": kind, "sequence_number": self._seq, **fields}
@@ -123,6 +160,7 @@ class ResponseEvents(BlockSequencer[Event]):
         ]
 
     def delta(self, delta: OutputDelta) -> list[Event]:
+        self._unsent += self._text_logprobs.take(delta)
         return self.feed(delta)
 
     def finish(self, end: RunEnd) -> list[Event]:
@@ -182,9 +220,17 @@ class ResponseEvents(BlockSequencer[Event]):
             "response.output_item.added", output_index=len(self.output), item=dict(self._item)
         )
         if kind != TEXT:
+            self._unsent = []  # whitespace held back before a call or reasoning: never sent
             return [added]
-        part = {"type": "output_text", "text": "", "annotations": []}
+        self._part_logprobs = []
+        part = self._part("")
         return [added, self._item_event("response.content_part.added", content_index=0, part=part)]
+
+    def _part(self, text: str) -> dict[str, Any]:
+        part: dict[str, Any] = {"type": "output_text", "text": text, "annotations": []}
+        if self.shell.include_logprobs:
+            part["logprobs"] = part_logprobs(self._part_logprobs)
+        return part
 
     def _new_item(self, kind: str, call: ToolCallDelta | None) -> dict[str, Any]:
         if kind == REASONING:
@@ -221,8 +267,11 @@ class ResponseEvents(BlockSequencer[Event]):
         if kind == REASONING:
             return [self._item_event("response.reasoning_text.delta", content_index=0, delta=text)]
         if kind == TEXT:
+            sent, self._unsent = self._unsent, []
+            self._part_logprobs += sent
+            logprobs = event_logprobs(sent) if self.shell.include_logprobs else []
             delta = self._item_event(
-                "response.output_text.delta", content_index=0, delta=text, logprobs=[]
+                "response.output_text.delta", content_index=0, delta=text, logprobs=logprobs
             )
             return [delta]
         return [self._item_event("response.function_call_arguments.delta", delta=text)]
@@ -236,10 +285,11 @@ class ResponseEvents(BlockSequencer[Event]):
             if self.shell.include_encrypted:
                 item["encrypted_content"] = seal_reasoning(text)
         elif kind == TEXT:
-            part = {"type": "output_text", "text": text, "annotations": []}
+            part = self._part(text)
+            logprobs = event_logprobs(self._part_logprobs) if self.shell.include_logprobs else []
             events = [
                 self._item_event(
-                    "response.output_text.done", content_index=0, text=text, logprobs=[]
+                    "response.output_text.done", content_index=0, text=text, logprobs=logprobs
                 ),
                 self._item_event("response.content_part.done", content_index=0, part=part),
             ]

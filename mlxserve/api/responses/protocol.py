@@ -15,8 +15,11 @@ from pydantic import field_validator
 
 from mlxserve.api.body import Strict
 from mlxserve.api.errors import APIError
+from mlxserve.api.generation import MAX_TOP_LOGPROBS
 
 TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
+# `include` asks for the output text's token log-probabilities with this.
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
 
 
 class ReasoningConfig(Strict):
@@ -46,6 +49,7 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     previous_response_id: str | None = None
     include: list[str] | None = None
+    top_logprobs: int | None = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -58,6 +62,13 @@ class ResponsesRequest(Strict):
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(value, str) and value not in TOOL_CHOICE_MODES:
             raise ValueError("tool_choice must be 'auto', 'none', 'required' or an object")
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         return value
 
     @field_validator("max_output_tokens")
@@ -85,3 +96,9 @@ class ResponsesRequest(Strict):
     @property
     def include_encrypted(self) -> bool:
         return "reasoning.encrypted_content" in (self.include or ())
+
+    @property
+    def include_logprobs(self) -> bool:
+        """Whether output text carries token log-probabilities (`top_logprobs` alone does
+        not ask for them: it says how many alternatives each one lists)."""
+        return INCLUDE_LOGPROBS in (self.include or ())

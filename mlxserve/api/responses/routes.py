@@ -74,6 +74,7 @@ class ResponsesAPI:
             meta.created,
             echo_settings(req),
             include_encrypted=req.include_encrypted,
+            include_logprobs=req.include_logprobs,
             namespaces=turn.namespaces,
         )
 
