@@ -28,7 +28,6 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.heap import HeapTrimmer
 from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
 from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
@@ -118,7 +117,6 @@ class EngineCore:
         self.cache_bytes = 0
         self.peak_cache_bytes = 0
         self.mlx_active_bytes = 0
-        self._heap = HeapTrimmer()
         self.mlx_cache_bytes = 0
 
     # -- called from other threads -----------------------------------------
@@ -316,7 +314,6 @@ class EngineCore:
                 self._step_started = None
             if self.stalled:
                 raise EngineStalled(self.failure or "engine stalled")
-            self._heap.maybe_trim()
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> None:
         """One step: schedule -> run -> update; its events go out as the update ends.
