@@ -111,7 +111,8 @@ class ToolChoice:
     """A request's `tool_choice` in this server's terms, whatever dialect sent it.
 
     `mode`: "auto" (calls allowed), "none" (no calls parsed), "required" (at
-    least one call of any tool) or "named" (a call of the tool `name`).
+    least one call of any tool; exactly one without `parallel`) or "named"
+    (exactly one call of the tool `name`).
     `label` is how the client wrote the mode, for the 400 that names it.
     """
 
@@ -123,6 +124,16 @@ class ToolChoice:
     @property
     def forces_call(self) -> bool:
         return self.mode in ("required", "named")
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether an answer may hold more than one call.
+
+        A named choice is exactly one call of that tool, whatever `parallel`
+        says (OpenAI and vLLM serve it so; Anthropic's `tool` choice is used
+        the same way): the grammar and the output pipeline both follow this.
+        """
+        return self.parallel and self.mode != "named"
 
 
 def check_tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: ToolChoice) -> None:
@@ -155,11 +166,11 @@ def answer_constraint(
             message = "a forced tool_choice and a JSON response format exclude each other"
             raise APIError(400, message, param="tool_choice")
         name = choice.name if choice.mode == "named" else None
-        return forced_calls(tools, name, choice.parallel)
+        return forced_calls(tools, name, choice.parallel_calls)
     if json_schema is not None:
         return OutputConstraint(json_schema=json_schema)
     if choice.mode == "auto":
-        return strict_calls(tools, choice.parallel)
+        return strict_calls(tools, choice.parallel_calls)
     return None
 
 
