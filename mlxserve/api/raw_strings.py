@@ -20,6 +20,10 @@ from typing import Any
 import llguidance
 
 ANY = "(?s:.*)"
+# llguidance checks that a terminal can match at all by a bounded search, which a
+# longer minimum under an intersection exhausts (the matcher then fails at the
+# first token): measured to fail from about 4000.
+MAX_MIN_LENGTH = 2048
 # Keywords that combine schemas: such a string is left to the JSON path.
 _APPLICATORS = frozenset(
     ("anyOf", "allOf", "oneOf", "not", "$ref", "$dynamicRef", "if", "then", "else")
@@ -101,7 +105,7 @@ def raw_terminal(schema: Mapping[str, Any], close: str) -> str | None:
     tag, as the DSML parser reads it. One terminal, not a lazy one: that
     masks several times faster. None when the schema constrains nothing.
     """
-    parts = [p for p in (_length(schema), _choices(schema), _pattern(schema)) if p]
+    parts = [p for p in (_length(schema), _choices(schema, close), _pattern(schema)) if p]
     if "format" in schema:
         parts.append(_format(schema["format"]))
     if not parts:
@@ -126,10 +130,12 @@ def _length(schema: Mapping[str, Any]) -> str:
         return ""
     if low is not None and high is not None and low > high:
         raise ValueError(f"minLength {low} is above maxLength {high}")
+    if low is not None and low > MAX_MIN_LENGTH:
+        raise ValueError(f"minLength above {MAX_MIN_LENGTH} is not supported, got {low}")
     return f"/(?s:.{{{low or 0},{'' if high is None else high}}})/"
 
 
-def _choices(schema: Mapping[str, Any]) -> str:
+def _choices(schema: Mapping[str, Any], close: str) -> str:
     if "const" in schema:
         values = [schema["const"]]
     elif "enum" in schema:
@@ -138,10 +144,10 @@ def _choices(schema: Mapping[str, Any]) -> str:
             raise ValueError("enum must be a list")
     else:
         return ""
-    # A string schema's other values can never match.
-    strings = [v for v in values if isinstance(v, str)]
+    # Other values can never be written: not strings, or holding the closing tag.
+    strings = [v for v in values if isinstance(v, str) and close not in v]
     if not strings:
-        raise ValueError("no value of its enum/const is a string")
+        raise ValueError("no value of its enum/const is a string without the closing tag")
     return "(" + " | ".join(literal(v) for v in strings) + ")"
 
 
