@@ -96,6 +96,22 @@ def test_v41_renders_unparseable_arguments_verbatim() -> None:
     assert '<｜DSML｜ parameter name="arguments" string="true">{not json</' in prompt
 
 
+def test_null_arguments_are_empty_for_v4_and_a_value_for_v41() -> None:
+    """V4's wrapper turns `arguments: null` into {}; V4.1's hands null to the encoder,
+    which writes a non-object value as one `arguments` parameter, as JSON."""
+    v4 = encode_request(_request(_conversation(None)), "v4")
+    assert v4 == encode_request(_request(_conversation("{}")), "v4")
+    assert '<｜DSML｜invoke name="get_weather">\n\n</｜DSML｜invoke>' in v4
+    v41 = encode_request(_request(_conversation(None)), "v41")
+    assert '<｜DSML｜ parameter name="arguments" string="false">null</｜DSML｜ parameter>' in v41
+    # A call without the key has no arguments in both.
+    calls = _conversation("{}")
+    del calls[2]["tool_calls"][0]["function"]["arguments"]
+    assert encode_request(_request(calls), "v41") == encode_request(
+        _request(_conversation("{}")), "v41"
+    )
+
+
 def test_decoded_arguments_must_be_an_object() -> None:
     with pytest.raises(PromptError, match="JSON object"):
         encode_request(_request(_conversation([1, 2])), "v4")

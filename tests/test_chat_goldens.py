@@ -76,7 +76,7 @@ def test_prompt_errors_are_value_errors_with_a_reason() -> None:
 def test_extra_cases_cover_the_families() -> None:
     """Each derived case names the public case it comes from; every family, both variants."""
     ids = {c["id"] for c in CASES}
-    assert len({c["id"] for c in EXTRA_CASES}) == len(EXTRA_CASES) == 24
+    assert len({c["id"] for c in EXTRA_CASES}) == len(EXTRA_CASES) == 25
     assert all(c["derived_from"] in ids and c["id"] not in ids for c in EXTRA_CASES)
     args = [
         c

@@ -123,6 +123,7 @@ def test_lenient_arguments_follow_the_v41_rule() -> None:
     assert decode_arguments('"Paris"', strict=False) == (None, '"Paris"')
     assert decode_arguments(json.dumps("[1]"), strict=False) == (None, json.dumps("[1]"))
     assert decode_arguments([1, 2], strict=False) == ({"arguments": [1, 2]}, None)
+    assert decode_arguments(None, strict=False) == ({"arguments": None}, None)
     with pytest.raises(PromptError, match="must encode a JSON object"):
         decode_arguments(double)
     with pytest.raises(PromptError, match="must be a JSON object"):

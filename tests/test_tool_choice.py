@@ -24,7 +24,7 @@ NAMES = ("read", "write")
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}}
 
 
-def _openai(choice: Any, json_format: bool) -> ChatGeneration:
+def _openai(choice: Any, json_format: bool, parallel: bool | None = None) -> ChatGeneration:
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": "hi"}],
         "tools": [
@@ -37,10 +37,12 @@ def _openai(choice: Any, json_format: bool) -> ChatGeneration:
         )
     if json_format:
         body["response_format"] = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
     return chat_generation(parse_body(ChatCompletionRequest, json.dumps(body).encode()))
 
 
-def _anthropic(choice: Any, json_format: bool) -> ChatGeneration:
+def _anthropic(choice: Any, json_format: bool, parallel: bool | None = None) -> ChatGeneration:
     body: dict[str, Any] = {
         "model": "m",
         "max_tokens": 8,
@@ -50,12 +52,17 @@ def _anthropic(choice: Any, json_format: bool) -> ChatGeneration:
     if choice is not None:
         spelled = {"required": {"type": "any"}, "auto": {"type": "auto"}, "none": {"type": "none"}}
         body["tool_choice"] = spelled.get(choice, {"type": "tool", "name": choice})
+    if parallel is not None:
+        body["tool_choice"] = {
+            **body.get("tool_choice", {"type": "auto"}),
+            "disable_parallel_tool_use": not parallel,
+        }
     if json_format:
         body["output_config"] = {"format": {"type": "json_schema", "schema": SCHEMA}}
     return to_generation(parse_body(MessagesRequest, json.dumps(body).encode()))
 
 
-def _responses(choice: Any, json_format: bool) -> ChatGeneration:
+def _responses(choice: Any, json_format: bool, parallel: bool | None = None) -> ChatGeneration:
     body: dict[str, Any] = {
         "model": "m",
         "input": "hi",
@@ -65,6 +72,8 @@ def _responses(choice: Any, json_format: bool) -> ChatGeneration:
         body["tool_choice"] = {"type": "function", "name": choice} if choice in NAMES else choice
     if json_format:
         body["text"] = {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
     return to_turn(parse_body(ResponsesRequest, json.dumps(body).encode())).generation
 
 
@@ -88,6 +97,29 @@ def test_the_same_choice_gives_the_same_constraint(
     gen = dialect(choice, json_format=False)
     assert _called(gen.constraint) == expected
     assert gen.tools_enabled == (choice != "none")
+
+
+@pytest.mark.parametrize(
+    ("choice", "parallel", "many"),
+    [
+        ("write", None, False),  # a named choice is exactly one call, whatever the default
+        ("write", True, False),
+        ("write", False, False),
+        ("required", None, True),  # one or more
+        ("required", True, True),
+        ("required", False, False),  # exactly one
+        ("auto", False, False),
+    ],
+)
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_how_many_calls_the_grammar_and_the_pipeline_admit(
+    dialect: Any, choice: str, parallel: bool | None, many: bool
+) -> None:
+    """The grammar and the output pipeline agree on one call or several."""
+    gen = dialect(choice, json_format=False, parallel=parallel)
+    assert gen.parallel_tool_calls == many
+    if choice != "auto":
+        assert gen.constraint is not None and gen.constraint.parallel == many
 
 
 @pytest.mark.parametrize("dialect", DIALECTS)

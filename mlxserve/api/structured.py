@@ -31,6 +31,7 @@ from typing import Any
 import llguidance
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.raw_strings import is_raw_string, literal, raw_terminal, regex_literal
 from mlxserve.parsers.dsml import DSML_LEAD, DSML_V4, DSML_V41, DsmlDialect
 
 MAX_SCHEMA_BYTES = 64 * 1024
@@ -111,7 +112,8 @@ class ToolChoice:
     """A request's `tool_choice` in this server's terms, whatever dialect sent it.
 
     `mode`: "auto" (calls allowed), "none" (no calls parsed), "required" (at
-    least one call of any tool) or "named" (a call of the tool `name`).
+    least one call of any tool; exactly one without `parallel`) or "named"
+    (exactly one call of the tool `name`).
     `label` is how the client wrote the mode, for the 400 that names it.
     """
 
@@ -123,6 +125,16 @@ class ToolChoice:
     @property
     def forces_call(self) -> bool:
         return self.mode in ("required", "named")
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether an answer may hold more than one call.
+
+        A named choice is exactly one call of that tool, whatever `parallel`
+        says (OpenAI and vLLM serve it so; Anthropic's `tool` choice is used
+        the same way): the grammar and the output pipeline both follow this.
+        """
+        return self.parallel and self.mode != "named"
 
 
 def check_tool_choice(tools: Sequence[Mapping[str, Any]] | None, choice: ToolChoice) -> None:
@@ -155,11 +167,11 @@ def answer_constraint(
             message = "a forced tool_choice and a JSON response format exclude each other"
             raise APIError(400, message, param="tool_choice")
         name = choice.name if choice.mode == "named" else None
-        return forced_calls(tools, name, choice.parallel)
+        return forced_calls(tools, name, choice.parallel_calls)
     if json_schema is not None:
         return OutputConstraint(json_schema=json_schema)
     if choice.mode == "auto":
-        return strict_calls(tools, choice.parallel)
+        return strict_calls(tools, choice.parallel_calls)
     return None
 
 
@@ -173,11 +185,6 @@ def with_response_format(
     else:
         out.insert(0, {"role": "system", "content": "", "response_format": dict(shown)})
     return out
-
-
-def _lark_string(text: str) -> str:
-    """A Lark string literal of `text` (JSON escaping is valid Lark escaping)."""
-    return json.dumps(text, ensure_ascii=False)
 
 
 def _checked(grammar: str, what: str) -> str:
@@ -214,56 +221,42 @@ def _with_defs(schema: Mapping[str, Any], root: Mapping[str, Any]) -> dict[str, 
     return out
 
 
-def _is_plain_string(schema: Mapping[str, Any]) -> bool:
-    """A string any text satisfies: DSML writes it raw (`string="true"`)."""
-    keys = set(schema) - {"type", "description", "title", "default", "examples"}
-    return schema.get("type") == "string" and not keys
-
-
-def _is_string_enum(schema: Mapping[str, Any]) -> bool:
-    values = schema.get("enum")
-    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
-
-
 def _dsml_param(
     rule: str, name: str, schema: Mapping[str, Any], root: Mapping[str, Any], d: DsmlDialect
 ) -> list[str]:
-    close = _lark_string(d.param_close)
-    if _is_plain_string(schema):
-        head = _lark_string(f'{d.param_open}{name}" string="true">')
+    """One parameter: a string raw (`string="true"`, as the model writes it), else JSON."""
+    close = literal(d.param_close)
+    if not is_raw_string(schema):
+        head = literal(f'{d.param_open}{name}" string="false">')
+        value = json.dumps(_compact(_with_defs(schema, root)), ensure_ascii=False)
+        return [f'{rule}: {head} %json{value} {close} "\\n"']
+    head = literal(f'{d.param_open}{name}" string="true">')
+    try:
+        terminal = raw_terminal(schema, d.param_close)
+    except ValueError as e:
+        raise StructuredOutputError(f"parameter {name!r} cannot be enforced: {e}") from e
+    if terminal is None:
+        # Any text, lazily: the value ends at the first closing tag.
         return [f'{rule}: {head} {rule}_v "\\n"', f"{rule}_v[suffix={close}]: /(.|\\n)*/"]
-    if _is_string_enum(schema):
-        head = _lark_string(f'{d.param_open}{name}" string="true">')
-        values = " | ".join(_lark_string(v) for v in schema["enum"])
-        return [f'{rule}: {head} ({values}) {close} "\\n"']
-    head = _lark_string(f'{d.param_open}{name}" string="false">')
-    value = json.dumps(_compact(_with_defs(schema, root)), ensure_ascii=False)
-    return [f'{rule}: {head} %json{value} {close} "\\n"']
+    upper = f"{rule.upper()}_V"
+    return [f'{rule}: {head} {upper} "\\n"', f"{upper}: {terminal}"]
 
 
 def _free_text(opener: str) -> list[str]:
     """`free`: text without `opener`; `lead`: text up to and including its first `opener`."""
-    marker = _lark_string(opener)
-    without = f"/(.|\\n)*/ & ~/(.|\\n)*{_lark_regex(opener)}(.|\\n)*/"
+    marker = literal(opener)
+    without = f"/(.|\\n)*/ & ~/(.|\\n)*{regex_literal(opener)}(.|\\n)*/"
     return ["free: FREE", f"FREE: {without}", f"lead[suffix={marker}]: {without}"]
-
-
-def _lark_regex(text: str) -> str:
-    """`text` as a literal inside a Lark /regex/."""
-    out = []
-    for char in text:
-        out.append("\\" + char if char in r"\/.^$|?*+()[]{}-" else char)
-    return "".join(out)
 
 
 def _dsml_free_invoke(index: int, function: Mapping[str, Any], d: DsmlDialect) -> list[str]:
     """An invoke of a non-strict function: any parameters, well formed."""
-    head = _lark_string(f'{d.invoke_open}{function["name"]}">\n')
-    tail = _lark_string(f"{d.invoke_close}\n")
-    open_param = _lark_string(d.param_open)
-    kind = _lark_string('" string="')
-    end_attrs = _lark_string('">')
-    close = _lark_string(d.param_close)
+    head = literal(f'{d.invoke_open}{function["name"]}">\n')
+    tail = literal(f"{d.invoke_close}\n")
+    open_param = literal(d.param_open)
+    kind = literal('" string="')
+    end_attrs = literal('">')
+    close = literal(d.param_close)
     return [
         f"invoke{index}: {head} any_param{index}* {tail}",
         f'any_param{index}: {open_param} PNAME {kind} ("true" | "false") {end_attrs} '
@@ -288,8 +281,8 @@ def _dsml_invoke(index: int, function: Mapping[str, Any], d: DsmlDialect) -> lis
         raise StructuredOutputError(
             f"tool {name!r}: required parameters {sorted(missing)} have no schema in 'properties'"
         )
-    head = _lark_string(f'{d.invoke_open}{name}">\n')
-    tail = _lark_string(f"{d.invoke_close}\n")
+    head = literal(f'{d.invoke_open}{name}">\n')
+    tail = literal(f"{d.invoke_close}\n")
     rules.insert(0, f"invoke{index}: {head} {' '.join(parts)} {tail}")
     return rules
 
@@ -308,14 +301,14 @@ def dsml_grammar(
             rules += _dsml_invoke(i, function, d)
     choice = " | ".join(f"invoke{i}" for i in range(len(tools)))
     repeat = "+" if parallel else ""
-    calls = f"({choice}){repeat} {_lark_string(d.close)}"
+    calls = f"({choice}){repeat} {literal(d.close)}"
     if optional:
         # The lead text is free; its first opening marker starts the block.
         rules += _free_text(d.open)
         rules.append('PNAME: /[^"<>\\n]+/')
         start = f'start: free | lead "\\n" {calls} free'
     else:
-        start = f"start: {_lark_string(DSML_LEAD + d.open + chr(10))} {calls}"
+        start = f"start: {literal(DSML_LEAD + d.open + chr(10))} {calls}"
     lark = "\n".join([start, *rules])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark), "the tools' parameters")
 

@@ -34,7 +34,8 @@ Rules (see tests/data/README.md; every one is pinned by a golden):
   it (or ends the prompt) like a user turn does.
 * V4.1 only: tool-call arguments that are no JSON object are decoded once more
   (a double-encoded object is that object), else rendered as one `arguments`
-  parameter (V4 requires an object).
+  parameter (V4 requires an object). JSON null is such a value (V4.1's
+  wrapper does not turn it into `{}` as V4's does): `string="false">null`.
 * An empty developer message is an error only where it is rendered:
   drop-thinking drops those before the last user turn unseen.
 """

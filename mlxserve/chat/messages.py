@@ -32,7 +32,8 @@ class ToolCall:
     `arguments` is the decoded JSON object, or None when the client sent a
     string that is not a JSON object (then `arguments_text` holds it and only
     a lenient encoder, DeepSeek-V4.1, renders it). An empty or null
-    argument string decodes to `{}` (strict); see `decode_arguments`.
+    argument string decodes to `{}` (strict; V4.1 renders null as a value);
+    see `decode_arguments`.
     """
 
     name: str
@@ -199,7 +200,9 @@ def _tool_calls(raw: Any, where: str, strict: bool) -> tuple[ToolCall, ...]:
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             raise PromptError(f"{here}.function.name must be a non-empty string")
-        args, text = decode_arguments(fn.get("arguments"), f"{here}.function.arguments", strict)
+        # A call without `arguments` has none ({}); an explicit null is a value (V4.1).
+        raw_args = fn.get("arguments", {})
+        args, text = decode_arguments(raw_args, f"{here}.function.arguments", strict)
         calls.append(ToolCall(name, args, _opt_str(call, "id", here), text))
     return tuple(calls)
 
@@ -209,14 +212,15 @@ def decode_arguments(
 ) -> tuple[dict[str, Any] | None, str | None]:
     """Decode tool-call arguments: (object, original text if it was a string).
 
-    None means `{}`, and so does a blank string when `strict`. A string that
-    is not a JSON object raises PromptError when `strict`, else gives
-    `(None, text)`, except that the lenient (DeepSeek-V4.1) rule decodes a
-    JSON string once more, so a double-encoded object is still that object.
-    A lenient value that is neither a string nor an object becomes the single
-    argument `{"arguments": value}`.
+    When `strict` (DeepSeek-V4, templates), None means `{}` and so does a
+    blank string; a string that is not a JSON object raises PromptError.
+    Lenient (the DeepSeek-V4.1 rule) gives `(None, text)` for such a string,
+    except that it decodes a JSON string once more, so a double-encoded object
+    is still that object; a value that is neither a string nor an object,
+    JSON null included (V4.1's wrapper does not turn it into `{}` as V4's
+    does), becomes the single argument `{"arguments": value}`.
     """
-    if value is None:
+    if value is None and strict:
         return {}, None
     if _is_map(value):
         return dict(value), None

@@ -240,6 +240,20 @@ case(
     "the last user turn and shows its reasoning",
 )
 n += 1
+
+# Family A, continued: JSON null. V4's wrapper turns `arguments: null` into {}
+# (public cases enc-pub-0078/0080/0114); V4.1's hands the value to the encoder,
+# which renders a non-object value as one 'arguments' parameter, as JSON.
+case(
+    f"enc-ext-{n:04d}",
+    "v41",
+    with_args("enc-pub-0051", None),
+    "enc-pub-0051",
+    ["tools", "ends_with_tool", "args_not_object", "args_null_value"],
+    base.replace(old, 'string="false">null<'),
+    how="V4.1 keeps a null value: one 'arguments' parameter, JSON with string=\"false\"",
+)
+n += 1
 with open(sys.argv[2], "w", encoding="utf-8") as f:
     for c in out:
         f.write(json.dumps(c, ensure_ascii=False) + "\n")

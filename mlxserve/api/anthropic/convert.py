@@ -298,7 +298,7 @@ def to_generation(req: MessagesRequest) -> ChatGeneration:
         sampling=sampling,
         stops=tuple(s for s in req.stop_sequences or () if s),
         tools_enabled=bool(req.tools) and (choice is None or choice.type != "none"),
-        parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
+        parallel_tool_calls=tool_choice(req).parallel_calls,
         stream=bool(req.stream),
         constraint=_constraint(req, prompt.tools),
     )

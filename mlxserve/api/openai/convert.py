@@ -85,7 +85,7 @@ def chat_generation(req: ChatCompletionRequest) -> ChatGeneration:
         sampling=sampling,
         stops=tuple(req.stop_strings()),
         tools_enabled=bool(tools) and req.tool_choice != "none",
-        parallel_tool_calls=req.parallel_tool_calls is not False,
+        parallel_tool_calls=tool_choice(req).parallel_calls,
         stream=bool(req.stream),
         constraint=output_constraint(req),
     )

@@ -436,7 +436,7 @@ def to_turn(req: ResponsesRequest, history: Sequence[Item] = ()) -> ResponsesTur
         prompt=prompt,
         sampling=sampling,
         tools_enabled=bool(tools) and choice.mode != "none",
-        parallel_tool_calls=req.parallel_tool_calls is not False,
+        parallel_tool_calls=choice.parallel_calls,
         stream=bool(req.stream),
         constraint=answer_constraint(tools, choice, _format_schema(fmt)),
     )
