@@ -10,14 +10,25 @@ renders it, checked the same way whichever dialect declared it.
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.generation import MAX_TOP_LOGPROBS
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 M = TypeVar("M", bound=BaseModel)
+
+
+def _top_logprobs_in_range(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
+    return value
+
+
+# The `top_logprobs` field of every route that takes one.
+TopLogprobs = Annotated[int | None, AfterValidator(_top_logprobs_in_range)]
 
 
 class Strict(BaseModel):

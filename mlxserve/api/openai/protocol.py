@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import field_validator
 
-from mlxserve.api.body import FunctionSpec, Strict
+from mlxserve.api.body import FunctionSpec, Strict, TopLogprobs
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import MAX_TOP_LOGPROBS, Sampling
 
@@ -99,7 +99,7 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs = None
     response_format: dict[str, Any] | None = None
 
     @field_validator("messages")
@@ -114,13 +114,6 @@ class ChatCompletionRequest(_SamplingFields):
                     f"messages[{i}]: unknown role {role!r}; "
                     f"expected one of {', '.join(sorted(ROLES - {'function'}))}"
                 )
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         return value
 
     def check_supported(self) -> None:

@@ -13,9 +13,8 @@ from typing import Any, Literal
 
 from pydantic import field_validator
 
-from mlxserve.api.body import Strict
+from mlxserve.api.body import Strict, TopLogprobs
 from mlxserve.api.errors import APIError
-from mlxserve.api.generation import MAX_TOP_LOGPROBS
 
 TOOL_CHOICE_MODES = frozenset({"auto", "none", "required"})
 # `include` asks for the output text's token log-probabilities with this.
@@ -49,7 +48,7 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     previous_response_id: str | None = None
     include: list[str] | None = None
-    top_logprobs: int | None = None
+    top_logprobs: TopLogprobs = None
     prompt_cache_key: str | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
@@ -62,13 +61,6 @@ class ResponsesRequest(Strict):
     def _tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
         if isinstance(value, str) and value not in TOOL_CHOICE_MODES:
             raise ValueError("tool_choice must be 'auto', 'none', 'required' or an object")
-        return value
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _top_logprobs(cls, value: int | None) -> int | None:
-        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
         return value
 
     @field_validator("max_output_tokens")
