@@ -34,7 +34,8 @@ class ServerThread:
         import uvicorn
 
         self.args = args
-        self.app, self.state = build_app(args, loader=loader)
+        self.app, self.served = build_app(args, loader=loader)
+        self.state = self.served.default
         config = uvicorn.Config(
             self.app,
             host=args.host,
@@ -198,10 +199,11 @@ def serve_in_thread(
     the list its exit status lands in; returns once the model is ready."""
     from mlxserve.api.serve import serve_app
 
-    app, state = build_app(args, loader=loader)
+    app, served = build_app(args, loader=loader)
+    state = served.default
     result: list[int] = []
     thread = threading.Thread(
-        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
+        target=lambda: result.append(serve_app(app, served, args.host, args.port, "warning")),
         daemon=True,
     )
     thread.start()
@@ -209,3 +211,14 @@ def serve_in_thread(
     while not state.engine.ready and time.monotonic() < deadline:
         time.sleep(0.05)
     return state, thread, result
+
+
+def metric(text: str, sample: str, **labels: str) -> float | None:
+    """The value of the /metrics sample `sample` whose labels include `labels` (else None)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None

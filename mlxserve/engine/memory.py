@@ -26,11 +26,14 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from mlxserve.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from mlxserve.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +172,17 @@ def default_kv_budget(weights_bytes: int, device_bytes: int | None = None) -> in
 
 @dataclass(frozen=True)
 class KVBudget:
-    """The engine's byte budget and what one request's cache costs on this model."""
+    """The engine's byte budget and what one request's cache costs on this model.
+
+    With a `pool` (several models in one server) the budget is the pool's,
+    shared with the other engines; `member` names this engine in it.
+    """
 
     budget_bytes: int
     cost: CacheCost
     batched: bool
+    pool: KVPool | None = None
+    member: str = ""
 
     def total(self, lengths: Sequence[int]) -> int:
         return self.cost.total(lengths, self.batched)
