@@ -30,7 +30,7 @@ def serve_args(*extra: str, model: str = "test-model") -> argparse.Namespace:
 class ServerThread:
     """uvicorn serving the real app (real AsyncEngine) in a background thread."""
 
-    def __init__(self, args: argparse.Namespace, loader: Callable[[], LoadedModel]) -> None:
+    def __init__(self, args: argparse.Namespace, loader: Callable[[], LoadedModel] | None) -> None:
         import uvicorn
 
         self.args = args
@@ -59,10 +59,12 @@ class ServerThread:
         self.thread.start()
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
-            if self.server.started and (self.state.engine.ready or not wait_ready):
+            engines = [state.engine for state in self.served.models]
+            if self.server.started and (all(e.ready for e in engines) or not wait_ready):
                 return self
-            if self.state.engine.load_error is not None:
-                raise RuntimeError(self.state.engine.load_error)
+            for engine in engines:
+                if engine.load_error is not None:
+                    raise RuntimeError(engine.load_error)
             if not self.thread.is_alive():
                 raise RuntimeError("the server thread died")
             time.sleep(0.05)

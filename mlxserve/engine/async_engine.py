@@ -272,7 +272,7 @@ class AsyncEngine:
             speculator = scheduler.speculator
             stats["speculative"] = speculator.stats() if speculator is not None else None
         prefix_cache = self._core.prefix_cache
-        stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache else None
+        stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache is not None else None
         disk = self._core.disk
         stats["prefix_cache_disk"] = asdict(disk.stats()) if disk is not None else None
         return stats

@@ -187,6 +187,31 @@ class KVBudget:
     def total(self, lengths: Sequence[int]) -> int:
         return self.cost.total(lengths, self.batched)
 
+    @property
+    def whole_bytes(self) -> int:
+        """The whole budget (the shared pool's, with several models)."""
+        return self.budget_bytes if self.pool is None else self.pool.total_bytes
+
+    def room(self) -> int:
+        """Bytes this engine's caches may take: the budget less other models' holdings."""
+        return self.budget_bytes if self.pool is None else self.pool.room(self.member)
+
+    def prefix_room(self) -> int:
+        """`room`, less what other models wait for: a prefix cache gives way first."""
+        return self.budget_bytes if self.pool is None else self.pool.prefix_room(self.member)
+
+    def claim(self, nbytes: int) -> bool:
+        """Whether caches of `nbytes` fit (in a shared pool, taken from it at once)."""
+        if self.pool is None:
+            return nbytes <= self.budget_bytes
+        return self.pool.claim(self.member, nbytes)
+
+    def publish(self, held: int, waiting_for: int) -> None:
+        """Tell a shared pool what this engine holds, and what its head waits for (0: none)."""
+        if self.pool is not None:
+            self.pool.hold(self.member, held)
+            self.pool.want(self.member, waiting_for)
+
 
 # Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).
 PROBE_DECODE_STEPS = 4

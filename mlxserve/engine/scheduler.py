@@ -88,8 +88,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.memory = memory
         self._prefix_cache_max = prefix_cache.max_bytes if prefix_cache is not None else 0
-        # The waiting head fits only once other models sharing the KV pool free room.
-        self.blocked_on_pool = False
+        # Bytes the waiting head needs that only other models sharing the KV pool can
+        # free (0: none); the engine idles meanwhile, until the pool wakes it.
+        self._waiting_for = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -335,8 +336,8 @@ class Scheduler:
         memory = self.memory
         if memory is None:
             return
-        while self.running and memory.total(self._lengths(False)) > self._room():
-            alone = memory.total(self._lengths(False)) > self._budget()
+        while self.running and memory.total(self._lengths(False)) > memory.room():
+            alone = memory.total(self._lengths(False)) > memory.whole_bytes
             if len(self.running) == 1 and (memory.pool is None or alone):
                 self.fail(self.running[0].request_id, self._no_room_message())
                 return
@@ -367,27 +368,7 @@ class Scheduler:
         if memory is None:
             return True
         lengths = [*self._lengths(True), request.num_fill + self._reserve(request)]
-        return self._claim(memory.total(lengths))
-
-    def _claim(self, nbytes: int) -> bool:
-        """Whether caches of `nbytes` fit (in a shared pool, taken from it at once)."""
-        memory = self.memory
-        assert memory is not None
-        if memory.pool is None:
-            return nbytes <= memory.budget_bytes
-        return memory.pool.claim(memory.member, nbytes)
-
-    def _budget(self) -> int:
-        """The whole byte budget (a shared pool's, with several models)."""
-        memory = self.memory
-        assert memory is not None
-        return memory.budget_bytes if memory.pool is None else memory.pool.total_bytes
-
-    def _room(self) -> int:
-        """Bytes this engine's caches may take: its budget less the other models' holdings."""
-        memory = self.memory
-        assert memory is not None
-        return memory.budget_bytes if memory.pool is None else memory.pool.room(memory.member)
+        return memory.claim(memory.total(lengths))
 
     def _fit_prefix_cache(self, extra: list[int]) -> None:
         """Evict prefix-cache entries until it fits beside the running caches (and gives
@@ -395,41 +376,28 @@ class Scheduler:
         memory, cache = self.memory, self.prefix_cache
         if memory is None or cache is None:
             return
-        room = memory.budget_bytes
-        if memory.pool is not None:
-            room = memory.pool.prefix_room(memory.member)
-        room -= memory.total([*self._lengths(False), *extra])
+        room = memory.prefix_room() - memory.total([*self._lengths(False), *extra])
         cache.set_limit(max(0, min(self._prefix_cache_max, room)))
 
     def _publish_holding(self) -> None:
-        """Tell the shared pool what this engine holds after planning the step."""
+        """Tell a shared KV pool what this engine holds after planning the step."""
         memory = self.memory
         if memory is None or memory.pool is None:
             return
         held = memory.total(self._lengths(False))
         if self.prefix_cache is not None:
             held += self.prefix_cache.nbytes
-        memory.pool.hold(memory.member, held)
-        if not self.blocked_on_pool:
-            memory.pool.want(memory.member, 0)
+        memory.publish(held, self._waiting_for)
 
     def _no_room_message(self) -> str:
         assert self.memory is not None
         return (
             "the request's KV cache does not fit in the memory budget "
-            f"(--kv-memory-bytes {self._budget()})"
+            f"(--kv-memory-bytes {self.memory.whole_bytes})"
         )
 
-    def _wait_for_pool(self, nbytes: int) -> None:
-        """Nothing of ours runs, yet the head does not fit: other models hold the room.
-        Wait (the engine idles) until the pool wakes us with room freed."""
-        memory = self.memory
-        assert memory is not None and memory.pool is not None
-        self.blocked_on_pool = True
-        memory.pool.want(memory.member, nbytes)
-
     def _admit_waiting(self) -> None:
-        self.blocked_on_pool = False
+        self._waiting_for = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
             if self.restorer is not None and self.restorer.start(head):
@@ -440,11 +408,12 @@ class Scheduler:
                     return  # it waits until running requests free memory
                 assert self.memory is not None
                 need = self.memory.total([head.num_fill + 1])
-                if need > self._budget():
+                if need > self.memory.whole_bytes:
                     self.fail(head.request_id, self._no_room_message())
                     continue
-                if not self._claim(need):
-                    self._wait_for_pool(need)
+                if not self.memory.claim(need):
+                    # Other models sharing the pool hold the room: idle until it frees.
+                    self._waiting_for = need
                     return
             self.waiting.popleft()
             self._fit_prefix_cache([head.num_fill])
@@ -620,7 +589,7 @@ class Scheduler:
         """Whether a step would do anything now (else the engine waits for a command)."""
         if self.running or self.has_released:
             return True
-        if self.waiting and not self.blocked_on_pool:
+        if self.waiting and not self._waiting_for:
             return True
         return self.restorer is not None and self.restorer.has_work
 
