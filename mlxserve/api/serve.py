@@ -86,7 +86,9 @@ def model_path(args: argparse.Namespace) -> Path:
     return resolve_model(args.model)
 
 
-def checked_model_path(args: argparse.Namespace, source: str | None = None) -> Path:
+def checked_model_path(
+    args: argparse.Namespace, source: str | None = None, chat_encoder: str | None = None
+) -> Path:
     """The model's directory, checked as far as it can be without loading it.
 
     Runs before the port is bound: a Hugging Face id is resolved (downloaded if
@@ -97,7 +99,7 @@ def checked_model_path(args: argparse.Namespace, source: str | None = None) -> P
     from mlxserve.models.load import check_model_dir
 
     path = model_path(args) if source is None else resolve_model(source)
-    check_model_dir(path, args.chat_encoder)
+    check_model_dir(path, chat_encoder or args.chat_encoder)
     return path
 
 
@@ -154,8 +156,8 @@ def _model_state(
     if loader is None:
         from mlxserve.models import load
 
-        path = checked_model_path(args, spec.source if several else None)
         encoder = scfg.chat_encoder
+        path = checked_model_path(args, spec.source if several else None, encoder)
 
         def load_from_disk() -> LoadedModel:
             return load(path, chat_encoder=encoder, progress=progress)
