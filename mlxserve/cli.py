@@ -199,6 +199,13 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="deepseek_v4: add the checkpoint's MTP layer (mtp.* weights) for --speculative mtp",
+    )
+    p.add_argument(
         "--script",
         action="append",
         default=None,

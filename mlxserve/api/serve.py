@@ -89,9 +89,12 @@ def checked_model_path(args: argparse.Namespace) -> Path:
     unsupported family) raises ModelLoadError with the reason.
     """
     from mlxserve.models.load import check_model_dir
+    from mlxserve.models.mtp import require_mtp_weights
 
     path = model_path(args)
-    check_model_dir(path, args.chat_encoder)
+    config = check_model_dir(path, args.chat_encoder)
+    if args.speculative == "mtp":
+        require_mtp_weights(path, config)
     return path
 
 

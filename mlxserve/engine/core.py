@@ -29,11 +29,13 @@ from mlxserve.engine import faults
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
+from mlxserve.engine.mtp_drafter import MtpDrafter
 from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
+from mlxserve.models.mtp import load_mtp_head, require_mtp_weights
 
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
@@ -224,9 +226,16 @@ class EngineCore:
         logger.info("engine ready in %.1f s", time.monotonic() - started)
 
     def _speculator(self, model: LoadedModel, runner: Runner) -> Speculator | None:
-        """The drafter for `--speculative`, where this model's caches can be cut back."""
+        """The drafter for `--speculative`, where this model's caches can be cut back:
+        the checkpoint's MTP head for `mtp` (refused without one) and for `auto`
+        where it has one, prompt lookup otherwise."""
         c = self.config
-        speculator = make_speculator(c.speculative, c.num_draft_tokens, c.ngram_size)
+        mtp = self._mtp_drafter(model) if c.speculative in ("mtp", "auto") else None
+        if mtp is not None:
+            speculator: Speculator | None = Speculator(mtp, c.num_draft_tokens)
+        else:
+            mode = "ngram" if c.speculative == "auto" else c.speculative
+            speculator = make_speculator(mode, c.num_draft_tokens, c.ngram_size)
         if speculator is None:
             return None
         if runner.verify_rows_limit == 0:
@@ -237,7 +246,14 @@ class EngineCore:
             )
             return None
         speculator.max_rows = runner.verify_rows_limit
+        runner.mtp = mtp
         return speculator
+
+    def _mtp_drafter(self, model: LoadedModel) -> MtpDrafter | None:
+        head = load_mtp_head(model)
+        if head is None and self.config.speculative == "mtp":
+            require_mtp_weights(model.path, model.config)  # raises, with the reason
+        return None if head is None else MtpDrafter(head)
 
     def _open_disk(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, if `--prefix-cache-dir` is set."""
