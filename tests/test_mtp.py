@@ -118,7 +118,10 @@ def _run(path: Path, jobs: list[Job], config: EngineConfig, stagger: bool = Fals
                 outs = [await collect(engine.submit(p, params)) for p, params in jobs]
             else:
                 outs = await asyncio.gather(*(collect(engine.submit(p, s)) for p, s in jobs))
-            return [tokens_of(o) for o in outs], engine.stats()["speculative"]
+            stats = engine.stats()
+            return [tokens_of(o) for o in outs], dict(
+                stats["speculative"] or {}, preemptions=stats["preemptions"]
+            )
         finally:
             await engine.shutdown()
 
@@ -198,6 +201,38 @@ def test_mtp_parity_after_a_prefix_hit_under_a_grammar_and_beside_a_chunked_pref
     small_steps = EngineConfig(max_num_batched_tokens=16)
     jobs = [(_prompt(8, 6), constrained), (_prompt(90, 7), params)]
     _check_parity(mtp_dir, jobs, small_steps)
+
+
+def test_mtp_parity_across_a_preemption(mtp_dir) -> None:
+    from mlxserve.engine.runner import Runner
+
+    cost = Runner(load(mtp_dir)).probe_cost()
+    params = SamplingParams(max_tokens=30, temperature=0.0)
+    jobs = [(_prompt(24, 8 + i), params) for i in range(3)]
+    # Room for about two of the three: the newest is preempted, resumes, and its
+    # head's states are those of its first run up to there.
+    budget = cost.total([50, 50], batched=True)
+    tight = EngineConfig(kv_memory_bytes=budget, kv_reserve_tokens=4, prefix_cache=False)
+    stats = _check_parity(mtp_dir, jobs, tight)
+    assert stats["preemptions"] >= 1
+
+
+class _BrokenHead:
+    window = 16
+
+    def make_cache(self) -> list[Any]:
+        return []
+
+    def forward(self, *args: Any) -> Any:
+        raise RuntimeError("boom")
+
+
+def test_a_failing_head_drafts_nothing_and_starts_afresh(caplog) -> None:
+    drafter = MtpDrafter(_BrokenHead())  # type: ignore[arg-type]
+    drafter.observe("r", 0, mx.zeros((5, 2, 8)))
+    assert drafter.propose("r", [1, 2, 3, 4, 5, 6], 3) == []
+    assert "MTP drafting failed" in caplog.text
+    assert drafter.propose("r", [1, 2, 3, 4, 5, 6], 3) == []  # no state: nothing to draft from
 
 
 def test_auto_drafts_with_the_head_where_there_is_one(mtp_dir, model_dir_factory) -> None:

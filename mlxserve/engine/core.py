@@ -211,6 +211,8 @@ class EngineCore:
                 disk_every=self.config.prefix_cache_disk_every,
             )
         self.runner = Runner(model, self._fault)
+        # Before the budget is measured: an MTP head's weights come out of it.
+        speculator = self._speculator(model, self.runner)
         self.memory = self._measure_memory(model, self.runner)
         self.scheduler = Scheduler(
             self.config,
@@ -221,7 +223,7 @@ class EngineCore:
             min_chunk_tokens=model.min_prefill_chunk,
             wake=lambda: self._inbox.put(_Wake()),
             num_layers=len(model.make_cache()),
-            speculator=self._speculator(model, self.runner),
+            speculator=speculator,
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
 
@@ -246,7 +248,7 @@ class EngineCore:
             )
             return None
         speculator.max_rows = runner.verify_rows_limit
-        runner.mtp = mtp
+        runner.tap.drafter = mtp
         return speculator
 
     def _mtp_drafter(self, model: LoadedModel) -> MtpDrafter | None:
@@ -297,6 +299,8 @@ class EngineCore:
         source = "--kv-memory-bytes"
         if budget is None:
             weights = weights_nbytes(getattr(model.model, "module", model.model))
+            if runner.tap.drafter is not None:
+                weights += weights_nbytes(runner.tap.drafter.head.drafter)
             budget = default_kv_budget(weights)
             source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
         logger.info(

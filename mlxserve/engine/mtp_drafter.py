@@ -21,6 +21,7 @@ tokens (DESIGN rule 11), so a draft made over a short history is still exact.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -28,7 +29,11 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_vlm.speculative.cache_state import start_speculative_cache
 
+from mlxserve.engine.request import Request
+from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.mtp import MtpHead
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,7 +69,9 @@ class MtpDrafter:
         if state is None or start > state.known:
             state = _HeadState(self.head.make_cache(), fed=start, known=start)
             self._states[request_id] = state
-        # A position's state never changes (its tokens do not): only new ones are kept.
+        # A request's tokens do not change, so neither do their states: only new
+        # positions are kept. (A run-ahead step dropped by a preemption may leave a
+        # state whose token is drawn again: only a draft's quality could suffer.)
         new = hidden[state.known - start :]
         if new.shape[0] == 0:
             return
@@ -93,6 +100,16 @@ class MtpDrafter:
         mx.async_eval(state.pending)
 
     def propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
+        try:
+            return self._propose(request_id, context, k)
+        except (RuntimeError, ValueError):
+            # Drafts never decide the output: a head that fails drafts nothing for
+            # this request (its state starts afresh), and the request decodes on.
+            logger.exception("MTP drafting failed for request %s", request_id)
+            self.forget(request_id)
+            return []
+
+    def _propose(self, request_id: str, context: Sequence[int], k: int) -> list[int]:
         state = self._states.get(request_id)
         end = len(context) - 1  # the last token has no main-model state yet
         if state is None or k <= 0 or end < 1 or state.known < end or state.fed > end:
@@ -132,16 +149,45 @@ class MtpDrafter:
         self._states.pop(request_id, None)
 
 
-def tap_rows(
-    drafter: MtpDrafter | None,
-    sink: list[mx.array] | None,
-    rows: list[tuple[str, int]],
-    count: int | None = None,
-) -> None:
-    """Hand a forward's states to the drafter: row b of `sink[0]` holds request
-    rows[b][0]'s positions from rows[b][1] on (only the first `count`, if given)."""
-    if drafter is None or not sink:
-        return
-    states = sink[0]
-    for row, (request_id, start) in enumerate(rows):
-        drafter.observe(request_id, start, states[row, :count])
+class HiddenTap:
+    """The runner's model forwards; with `drafter` set, the hidden states of the
+    positions each one keeps go to the MTP drafter (row b of a forward: request
+    rows[b][0], positions from rows[b][1] on)."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self.loaded = loaded  # its `model` is read at each call: tests may wrap it
+        self.drafter: MtpDrafter | None = None
+
+    def last_logits(
+        self, inputs: mx.array, cache: list[Any], rows: list[tuple[str, int]]
+    ) -> mx.array:
+        """(B, V) logits of each row's last position; every fed position is kept."""
+        model = self.loaded.model
+        if self.drafter is None:
+            return cast(mx.array, model.last_logits(inputs, cache))
+        sink: list[mx.array] = []
+        logits = model.last_logits(inputs, cache, sink)
+        self.keep(sink, rows)
+        return cast(mx.array, logits)
+
+    def logits(self, inputs: mx.array, cache: list[Any]) -> tuple[mx.array, list[mx.array]]:
+        """(B, L, V) logits and the states to `keep` once the kept positions are known."""
+        model = self.loaded.model
+        if self.drafter is None:
+            return model(inputs, cache), []
+        sink: list[mx.array] = []
+        return model(inputs, cache, sink), sink
+
+    def keep(
+        self, sink: list[mx.array], rows: list[tuple[str, int]], count: int | None = None
+    ) -> None:
+        """Hand the drafter the first `count` (default: all) positions' states of each row."""
+        if self.drafter is None or not sink:
+            return
+        for row, (request_id, start) in enumerate(rows):
+            self.drafter.observe(request_id, start, sink[0][row, :count])
+
+
+def decode_positions(requests: Sequence[Request]) -> list[tuple[str, int]]:
+    """Each decode row's request and the position of the token it feeds (its last)."""
+    return [(r.request_id, r.num_prompt + len(r.output_ids) - 1) for r in requests]

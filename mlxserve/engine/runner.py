@@ -41,7 +41,7 @@ from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
-from mlxserve.engine.mtp_drafter import MtpDrafter, tap_rows
+from mlxserve.engine.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -129,8 +129,8 @@ class Runner:
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self.snapshots = SnapshotTaker(fault)
-        # The MTP drafter, which reads every kept position's hidden state (None: off).
-        self.mtp: MtpDrafter | None = None
+        # The forwards below go through it: the MTP drafter, if set, reads their states.
+        self.tap = HiddenTap(model)
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
@@ -310,7 +310,7 @@ class Runner:
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
-            logits = self._last_logits(tokens, cache, [(rid, chunk.start)])
+            logits = self.tap.last_logits(tokens, cache, [(rid, chunk.start)])
             return _BuiltChunk(chunk, cache, logits, time.perf_counter() - started)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
@@ -450,18 +450,13 @@ class Runner:
             self._check(faults.FORWARD, request_ids)
             rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
             cut = CutBack(cache, len(rows[0]))
-            inputs = mx.array(rows, dtype=mx.int32)
-            sink: list[mx.array] = []
-            if self.mtp is None:
-                logits = self.model.model(inputs, cache)
-            else:
-                logits = self.model.model(inputs, cache, sink)
+            logits, sink = self.tap.logits(mx.array(rows, dtype=mx.int32), cache)
             self._check(faults.SAMPLE, request_ids)
             states = [self.samplers[rid] for rid in request_ids]
             kept = verify_rows(logits, requests, drafts, states)
             # The cache holds every fed position; the last kept token is fed next step.
             cut.keep(len(kept[0]), len(requests))
-            tap_rows(self.mtp, sink, _fed_positions(requests), len(kept[0]))
+            self.tap.keep(sink, decode_positions(requests), len(kept[0]))
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("verify step failed for %d request(s)", len(requests))
             self._decode_failed(requests, e, result)
@@ -508,7 +503,7 @@ class Runner:
             pending = self.batch.take_ahead(request_ids) if self.batchable else None
             if pending is None:
                 inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
-                logits = self._last_logits(inputs, cache, _fed_positions(requests))
+                logits = self.tap.last_logits(inputs, cache, decode_positions(requests))
                 if ahead or overlap:
                     pending = self._draw(logits, requests)
                     pending.start()
@@ -584,22 +579,10 @@ class Runner:
         """Feed the tokens being drawn as the next step's inputs and start that step."""
         inputs = pending.tokens.astype(mx.int32)[:, None]
         # The tokens being drawn sit one past each row's context.
-        rows = [(rid, at + 1) for rid, at in _fed_positions(requests)]
-        following = self._draw(self._last_logits(inputs, cache, rows), requests)
+        rows = [(rid, at + 1) for rid, at in decode_positions(requests)]
+        following = self._draw(self.tap.last_logits(inputs, cache, rows), requests)
         following.start()
         return following
-
-    def _last_logits(
-        self, inputs: mx.array, cache: list[Any], rows: list[tuple[str, int]]
-    ) -> mx.array:
-        """The forward's last logits; its hidden states go to the MTP drafter, if on
-        (row b: request rows[b][0], positions from rows[b][1])."""
-        if self.mtp is None:
-            return self.model.model.last_logits(inputs, cache)
-        sink: list[mx.array] = []
-        logits = self.model.model.last_logits(inputs, cache, sink)
-        tap_rows(self.mtp, sink, rows)
-        return logits
 
     def _take(self, pending: PendingSample, requests: list[Request]) -> list[SampledRow]:
         self._check(faults.SAMPLE, [r.request_id for r in requests])
@@ -618,8 +601,3 @@ class Runner:
         states = [self.samplers[r.request_id] for r in requests]
         params = [r.params for r in requests]
         return self._record(requests, sample_rows(logits, params, states))
-
-
-def _fed_positions(requests: list[Request]) -> list[tuple[str, int]]:
-    """Each decode row's request and the position of the token it feeds (its last)."""
-    return [(r.request_id, r.num_prompt + len(r.output_ids) - 1) for r in requests]
