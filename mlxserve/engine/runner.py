@@ -449,8 +449,9 @@ class Runner:
             request_ids = [r.request_id for r in requests]
             self._check(faults.FORWARD, request_ids)
             rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
-            cut = CutBack(cache, len(rows[0]))
-            logits, sink = self.tap.logits(mx.array(rows, dtype=mx.int32), cache)
+            inputs = mx.array(rows, dtype=mx.int32)
+            cut = CutBack(cache, inputs, lambda tokens, c: self.model.model.last_logits(tokens, c))
+            logits, sink = self.tap.logits(inputs, cut.cache)
             self._check(faults.SAMPLE, request_ids)
             states = [self.samplers[rid] for rid in request_ids]
             kept = verify_rows(logits, requests, drafts, states)
