@@ -44,7 +44,7 @@ class _HeadState:
     fed: int  # MTP positions before this are in `cache` (or out of its window)
     known: int  # main-model states are known for positions before this
     pending: list[mx.array] = field(default_factory=list)  # (L, hc, D) blocks for fed..known
-    # The head's output after its last fed position (logits, state), for a repeated proposal.
+    # The head's guess and state after its last fed position, for a repeated proposal.
     tail: tuple[int, mx.array, mx.array] | None = None
 
     def states(self, count: int) -> mx.array:
@@ -80,8 +80,11 @@ class MtpDrafter:
             state.cache, state.pending, state.tail = self.head.make_cache(), [], None
             state.fed = start + hidden.shape[0] - window
             new = new[-window:]
-        # A copy, so the slice does not hold a whole prefill's (or batch's) states.
-        state.pending.append(mx.array(new))
+        # A copy, so the slice does not hold a whole prefill's (or batch's) states,
+        # made as soon as the forward has computed them.
+        copy = mx.array(new)
+        mx.async_eval(copy)
+        state.pending.append(copy)
         state.known = start + hidden.shape[0]
         if state.known - state.fed > 2 * window or len(state.pending) > window:
             self._compact(state, state.known)
@@ -121,17 +124,17 @@ class MtpDrafter:
             states = state.states(end - start)
             tokens = mx.array([list(context[start + 1 : end + 1])], dtype=mx.int32)
             logits, out = self.head.forward(tokens, states, state.cache, start)
-            state.fed, state.tail = end, (end - 1, logits, out[:, -1:])
+            state.fed, state.tail = end, (end - 1, mx.argmax(logits, axis=-1), out[:, -1:])
         if state.tail is None or state.tail[0] != end - 1:
             return []
-        _, logits, out = state.tail
-        return self._chain(state, logits, out, end, k)
+        _, guess, out = state.tail
+        return self._chain(state, guess, out, end, k)
 
     def _chain(
-        self, state: _HeadState, logits: mx.array, out: mx.array, end: int, k: int
+        self, state: _HeadState, guess: mx.array, out: mx.array, end: int, k: int
     ) -> list[int]:
         """Up to k guesses: each feeds the next position with the head's own state."""
-        guesses = [mx.argmax(logits, axis=-1)]
+        guesses = [guess]
         if k > 1:
             transaction = start_speculative_cache(state.cache, k - 1)
             try:

@@ -72,10 +72,8 @@ class MtpHead:
     def __init__(self, drafter: Any, target: Any) -> None:
         self.drafter = drafter
         self.target = target
-        args = drafter.args
-        self.window = int(args.sliding_window)
-        self.hc_mult = int(args.hc_mult)
-        self.hidden_size = int(args.hidden_size)
+        # The head's attention window: a position reads the ones this far back, no further.
+        self.window = int(drafter.args.sliding_window)
 
     def make_cache(self) -> list[Any]:
         return list(self.drafter.make_cache())
