@@ -191,6 +191,7 @@ class HiddenTap:
             self.drafter.observe(request_id, start, sink[0][row, :count])
 
 
-def decode_positions(requests: Sequence[Request]) -> list[tuple[str, int]]:
-    """Each decode row's request and the position of the token it feeds (its last)."""
-    return [(r.request_id, r.num_prompt + len(r.output_ids) - 1) for r in requests]
+def decode_positions(requests: Sequence[Request], ahead: int = 0) -> list[tuple[str, int]]:
+    """Each decode row's request and the position of the token it feeds: its last, or
+    (`ahead` = 1) the one being drawn, which a run-ahead step feeds."""
+    return [(r.request_id, r.num_prompt + len(r.output_ids) - 1 + ahead) for r in requests]

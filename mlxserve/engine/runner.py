@@ -55,6 +55,7 @@ from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
 from mlxserve.engine.rollback import CutBack, verify_rows_limit
 from mlxserve.engine.sampling import (
+    PendingLogits,
     PendingSample,
     SampledRow,
     SamplerState,
@@ -129,8 +130,7 @@ class Runner:
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self.snapshots = SnapshotTaker(fault)
-        # The forwards below go through it: the MTP drafter, if set, reads their states.
-        self.tap = HiddenTap(model)
+        self.tap = HiddenTap(model)  # the forwards; an MTP drafter, if set, reads their states
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
@@ -390,7 +390,8 @@ class Runner:
         """
         if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
             return False
-        return not plan.drafts and self._pipelinable(plan.decodes)
+        # Rows that draw only after reading their tokens still run their forward ahead.
+        return not plan.drafts
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether this step's decode tokens may be read after a chunk's graph is built."""
@@ -450,7 +451,7 @@ class Runner:
             self._check(faults.FORWARD, request_ids)
             rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
             inputs = mx.array(rows, dtype=mx.int32)
-            cut = CutBack(cache, inputs, lambda tokens, c: self.model.model.last_logits(tokens, c))
+            cut = CutBack(cache, inputs, self.model.model.last_logits)
             logits, sink = self.tap.logits(inputs, cut.cache)
             self._check(faults.SAMPLE, request_ids)
             states = [self.samplers[rid] for rid in request_ids]
@@ -502,6 +503,9 @@ class Runner:
             started = time.perf_counter()
             self._check(faults.FORWARD, request_ids)
             pending = self.batch.take_ahead(request_ids) if self.batchable else None
+            if isinstance(pending, PendingLogits):
+                # Last step's tokens are read now (the masks and penalties know them).
+                pending = self._draw(pending.logits, requests)
             if pending is None:
                 inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
                 logits = self.tap.last_logits(inputs, cache, decode_positions(requests))
@@ -576,12 +580,16 @@ class Runner:
 
     def _step_ahead(
         self, pending: PendingSample, requests: list[Request], cache: list[Any]
-    ) -> PendingSample:
-        """Feed the tokens being drawn as the next step's inputs and start that step."""
+    ) -> PendingSample | PendingLogits:
+        """Feed the tokens being drawn as the next step's inputs and start that step:
+        its draw too where no row's sampling needs the tokens read first."""
         inputs = pending.tokens.astype(mx.int32)[:, None]
-        # The tokens being drawn sit one past each row's context.
-        rows = [(rid, at + 1) for rid, at in decode_positions(requests)]
-        following = self._draw(self.tap.last_logits(inputs, cache, rows), requests)
+        logits = self.tap.last_logits(inputs, cache, decode_positions(requests, ahead=1))
+        following: PendingSample | PendingLogits
+        if self._pipelinable(requests):
+            following = self._draw(logits, requests)
+        else:
+            following = PendingLogits(logits)
         following.start()
         return following
 
