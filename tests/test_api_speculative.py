@@ -111,4 +111,4 @@ def test_mtp_drafted_reply_streams_the_same_text(tmp_path: Path) -> None:
         got = _chat(drafted)
         metrics = httpx.get(drafted.url + "/metrics", timeout=10).text
     assert got == expected and expected
-    assert 'mlxserve_spec_draft_tokens_total{drafter="mtp"}' in metrics
+    assert 'mlxserve_spec_draft_tokens_total{drafter="mtp",model_name="test-model"}' in metrics
