@@ -65,6 +65,18 @@ def test_the_mtp_layer_leaves_the_main_model_as_it_was(mtp_dir, model_dir_factor
     assert has_mtp_weights(mtp_dir, config) and not has_mtp_weights(plain_dir, config)
 
 
+def test_a_sharded_checkpoint_names_its_mtp_weights_in_its_index(tmp_path: Path) -> None:
+    import json
+
+    config = {"model_type": "deepseek_v4"}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"layers.0.attn.wkv.weight": "a.safetensors"}}))
+    assert not has_mtp_weights(tmp_path, config)
+    index.write_text(json.dumps({"weight_map": {"mtp.0.e_proj.weight": "b.safetensors"}}))
+    assert has_mtp_weights(tmp_path, config)
+    assert not has_mtp_weights(tmp_path, {"model_type": "llama"})
+
+
 def _session_drafts(model: LoadedModel, head: MtpHead, context: list[int], k: int) -> list[int]:
     """mlx-vlm's own MTP session, fresh: prefill over the context, then a draft block."""
     sink: list[mx.array] = []
