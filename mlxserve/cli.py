@@ -302,7 +302,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="mlxserve.bench.soak:run")
 
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=192,
+        help="tokens per request: a few seconds a side, so the ratios hold on a busy machine",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
 
