@@ -150,6 +150,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="prompt lookup matches the last N tokens (then fewer, down to 2)",
     )
     p.add_argument(
+        "--distributed",
+        choices=("tensor", "pipeline"),
+        default=None,
+        help="serve one model across the ranks mlx.launch started: tensor (each layer "
+        "split across ranks) or pipeline (each rank runs a stage of the layers); "
+        "rank 0 serves HTTP",
+    )
+    p.add_argument(
         "--exit-on-engine-failure",
         action=argparse.BooleanOptionalAction,
         default=True,

@@ -8,6 +8,7 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -18,6 +19,10 @@ from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.resolve import resolve_model
 from mlxserve.versions import check_versions
+
+if TYPE_CHECKING:
+    from mlxserve.engine.distributed import PlanGroup
+    from mlxserve.models.shard import Sharding
 
 logger = logging.getLogger("mlxserve.serve")
 
@@ -43,6 +48,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens,
         ngram_size=args.ngram_size,
+        distributed=getattr(args, "distributed", None),
     )
 
 
@@ -96,27 +102,38 @@ def checked_model_path(args: argparse.Namespace) -> Path:
 
 
 def build_app(
-    args: argparse.Namespace, loader: Callable[[], LoadedModel] | None = None
+    args: argparse.Namespace,
+    loader: Callable[[], LoadedModel] | None = None,
+    group: PlanGroup | None = None,
 ) -> tuple[FastAPI, ServerState]:
-    """The app for these CLI arguments (`loader` overrides loading from disk, for tests)."""
+    """The app for these CLI arguments (`loader` overrides loading from disk, for tests).
+
+    `group`: rank 0 of a distributed run (`--distributed`), which loads its shard
+    and sends each step's plan to the other ranks."""
     from mlxserve.engine.async_engine import AsyncEngine
 
     ecfg = engine_config(args)
     scfg = server_config(args)
     progress = LoadProgress(bar=None if loader is None else False)
+    publisher = None
+    if group is not None:
+        from mlxserve.engine.distributed import PlanPublisher
+
+        publisher = PlanPublisher(group)
     if loader is None:
         from mlxserve.models import load
 
         path = checked_model_path(args)
         encoder = scfg.chat_encoder
+        sharding = sharding_for(args, group)
 
         def loader() -> LoadedModel:
-            return load(path, chat_encoder=encoder, progress=progress)
+            return load(path, chat_encoder=encoder, progress=progress, shard=sharding)
 
         default_name = "mlxserve-demo" if args.demo else str(args.model)
     else:
         default_name = str(args.model or "mlxserve")
-    engine = AsyncEngine(ecfg, loader)
+    engine = AsyncEngine(ecfg, loader, publisher=publisher)
     names = tuple(args.served_model_name or (default_name,))
     state = ServerState(
         engine=engine,
@@ -130,14 +147,36 @@ def build_app(
     return create_app(state), state
 
 
+def sharding_for(args: argparse.Namespace, group: PlanGroup | None) -> Sharding | None:
+    if group is None:
+        return None
+    from mlxserve.models.shard import Sharding
+
+    return Sharding(args.distributed, group.group)
+
+
 def run(args: argparse.Namespace) -> int:
+    group = None
+    if getattr(args, "distributed", None):
+        from mlxserve.engine.distributed import join_group
+
+        try:
+            group = join_group()
+        except RuntimeError as e:
+            print(f"mlxserve serve: {e}", file=sys.stderr)
+            return 2
+    rank = f" rank {group.rank}" if group is not None else ""
     logging.basicConfig(
         level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s",
     )
+    if group is not None and group.rank > 0:
+        from mlxserve.engine.follower_main import run_follower
+
+        return run_follower(args, group, engine_config(args), sharding_for(args, group))
     try:
         check_versions()
-        app, state = build_app(args)
+        app, state = build_app(args, group=group)
     except (ValueError, RuntimeError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
@@ -147,7 +186,9 @@ def run(args: argparse.Namespace) -> int:
         )
     logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
     status = serve_app(app, state, args.host, args.port, str(args.log_level).lower())
-    if state.engine.stats().get("stalled"):
+    if state.engine.stats().get("stalled") or group is not None:
+        # (Distributed: the other ranks may be gone, and tearing the group down
+        # at interpreter exit could wait on them.)
         # The engine thread is stuck inside MLX: interpreter shutdown could wait on it or
         # abort in a C++ destructor, so the process leaves now, with its status.
         logging.shutdown()

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
@@ -32,6 +32,9 @@ from mlxserve.engine.request import (
 )
 from mlxserve.models.loaded import LoadedModel
 
+if TYPE_CHECKING:
+    from mlxserve.engine.distributed import PlanPublisher
+
 logger = logging.getLogger(__name__)
 
 # A stream waits this long past --request-timeout for the engine's own timeout
@@ -45,10 +48,16 @@ class AsyncEngine:
         config: EngineConfig,
         loader: Callable[[], LoadedModel],
         fault: FaultHook | None = None,
+        publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
         self._core = EngineCore(
-            config, loader, self._emit_from_engine, fault=fault, on_death=self._engine_died
+            config,
+            loader,
+            self._emit_from_engine,
+            fault=fault,
+            on_death=self._engine_died,
+            publisher=publisher,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}

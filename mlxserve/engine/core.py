@@ -38,6 +38,7 @@ from mlxserve.models.loaded import LoadedModel, ModelLoadError
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
     from mlxserve.cache.prefix_cache import PrefixCache
+    from mlxserve.engine.distributed import PlanPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ class EngineCore:
         emit: EmitFn,
         fault: FaultHook | None = None,
         on_death: Callable[[str], None] | None = None,
+        publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
+        # Distributed serving: each step's plan goes to the other ranks first.
+        self.publisher = publisher
         self._loader = loader
         self._emit = emit
         self._fault = fault
@@ -186,6 +190,8 @@ class EngineCore:
             self._loop()
             stopped = True
             self._close_disk()
+            if self.publisher is not None:
+                self.publisher.stop()
         except EngineStalled as e:  # the watchdog has reported it already
             reason = str(e)
         except BaseException as e:  # any end but a stop is reported (below)
@@ -208,7 +214,11 @@ class EngineCore:
                 disk=self._open_disk(model),
                 disk_every=self.config.prefix_cache_disk_every,
             )
-        self.runner = Runner(model, self._fault)
+        publisher = self.publisher
+        # Other ranks feed rank 0's tokens, so no step may feed its own draws ahead.
+        self.runner = Runner(model, self._fault, decode_ahead=publisher is None)
+        if publisher is not None and self.prefix_cache is not None:
+            self.prefix_cache.observer = publisher
         self.memory = self._measure_memory(model, self.runner)
         self.scheduler = Scheduler(
             self.config,
@@ -283,6 +293,11 @@ class EngineCore:
             weights = weights_nbytes(getattr(model.model, "module", model.model))
             budget = default_kv_budget(weights)
             source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
+        if self.publisher is not None:
+            from mlxserve.engine.distributed import shared_budget
+
+            budget = shared_budget(self.publisher.group, budget, cost.bytes_per_token)
+            source += ", the smallest any rank can afford"
         logger.info(
             "KV memory budget %d bytes (%.2f GiB, %s); a request's cache costs "
             "%d + %.0f bytes per token",
@@ -329,7 +344,12 @@ class EngineCore:
             return
         if plan.has_work:
             self.steps += 1
+        if self.publisher is not None:
+            # Not guarded: a peer gone (PeerLost) is engine death, not a request's error.
+            self.publisher.publish(plan, [*scheduler.running, *scheduler.waiting])
         result = self._guarded(lambda: runner.run(plan), lambda: plan.request_ids)
+        if result is not None and self.publisher is not None:
+            self.publisher.ran(plan, result)
         if result is not None:
             self._guarded(lambda: scheduler.update(result), lambda: plan.request_ids)
             if result.unreleased:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,17 @@ def check_model_dir(path: str | Path, chat_encoder: str = "auto") -> dict[str, A
     return config
 
 
-def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> Any:
-    """The model module, its weights materialised slice by slice (progress by bytes)."""
+# Called on the lazily built module before its weights are read (`models/shard.py`).
+ShardFn = Callable[[Any, str], None]
+
+
+def _load_module(
+    path: Path, config: dict[str, Any], progress: LoadProgress, shard: ShardFn | None = None
+) -> Any:
+    """The model module, its weights materialised slice by slice (progress by bytes).
+
+    `shard` (distributed serving) cuts the module to this rank's part first, so
+    only that part's weights are read."""
     model_type = config["model_type"]
     progress.enter("module")
     if model_type in VLM_TYPES:
@@ -101,6 +111,8 @@ def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> 
             raise ModelLoadError(
                 f"model_type {model_type!r} is not supported by mlx-lm: {e}"
             ) from e
+    if shard is not None:
+        shard(module, model_type)
     _materialise(module, progress)
     return module
 
@@ -165,11 +177,15 @@ def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
 
 
 def load(
-    path: str | Path, chat_encoder: str = "auto", progress: LoadProgress | None = None
+    path: str | Path,
+    chat_encoder: str = "auto",
+    progress: LoadProgress | None = None,
+    shard: ShardFn | None = None,
 ) -> LoadedModel:
     """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem.
 
     `progress` (if given) follows the load: stage and fraction of weight bytes.
+    `shard`: load only this rank's shard (`models/shard.Sharding`).
     """
     progress = progress or LoadProgress(bar=False)
     path = Path(path)
@@ -177,10 +193,12 @@ def load(
     encoder = choose_encoder(config["model_type"], chat_encoder)
     model_type = config["model_type"]
     if is_scripted(config):
+        if shard is not None:
+            raise ModelLoadError("scripted test checkpoints cannot be served distributed")
         return _load_scripted(path, config, encoder)
     logger.info("loading %s model from %s", model_type, path)
     try:
-        module = _load_module(path, config, progress)
+        module = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
         tokenizer = load_tokenizer(path, config.get("eos_token_id"))
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
