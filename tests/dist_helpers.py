@@ -62,7 +62,7 @@ class LaunchedServer:
             "--port",
             str(self.port),
             "--log-level",
-            "warning",
+            os.environ.get("MLXSERVE_DIST_LOG_LEVEL", "warning"),
             *extra,
         ]
         self.log = log
@@ -185,6 +185,8 @@ def tool_call(url: str) -> str:
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "temperature": 0,
         "max_tokens": 120,
+        # Random weights never close a reasoning block: constrain from the first token.
+        "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
     }
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
     response.raise_for_status()

@@ -216,6 +216,8 @@ def load(
         vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
         min_prefill_chunk=min_prefill_chunk(model_type),
     )
+    if shard is not None and not getattr(shard, "batchable", lambda _: True)(model_type):
+        loaded.extra["batchable"] = False
     _check_renderable(loaded)
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
