@@ -301,6 +301,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(handler="mlxserve.bench.memory:run")
 
+    p = bsub.add_parser(
+        "distributed", help="2 ranks (tensor, pipeline) under mlx.launch against one process"
+    )
+    p.add_argument("--family", default="llama", choices=("llama", "qwen3"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--model", default=None, help="a model directory instead of a tiny one")
+    p.add_argument("--json", default=None)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(handler="mlxserve.bench.distributed:run")
+
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")
     p.add_argument("--url", default=None, help="drive an already running server instead")
