@@ -197,8 +197,7 @@ def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[d
 def agreement(reference: list[list[int]], got: list[list[int]]) -> float:
     total = sum(len(r) for r in reference)
     same = sum(
-        sum(a == b for a, b in zip(r, g, strict=False))
-        for r, g in zip(reference, got, strict=True)
+        sum(a == b for a, b in zip(r, g, strict=False)) for r, g in zip(reference, got, strict=True)
     )
     return same / total if total else 1.0
 

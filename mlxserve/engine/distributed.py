@@ -43,6 +43,7 @@ from mlxserve.engine.plan_codec import (
 )
 from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.runner import Runner
+from mlxserve.engine.sampling import int_list
 from mlxserve.models.loaded import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class PlanGroup:
             mx.eval(total)
         except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
             raise PeerLost(f"rank {self.rank}: a collective failed: {e}") from e
-        return [int(v) for v in total.tolist()]
+        return int_list(total)
 
     def broadcast(self, values: list[int] | None) -> list[int]:
         """Rank 0's `values` on every rank (others pass None)."""
@@ -105,7 +106,7 @@ class PlanGroup:
             mx.eval(every)
         except RuntimeError as e:
             raise PeerLost(f"rank {self.rank}: a collective failed: {e}") from e
-        return int(min(every.tolist()))
+        return min(int_list(every))
 
 
 def key_check(key: bytes) -> int:
@@ -194,9 +195,15 @@ class PlanPublisher:
                 self._finishing.append((output.request_id, len(snapshot.key_ids)))
 
     def stop(self) -> None:
-        """Tell the other ranks that rank 0 stops normally (best effort)."""
+        """Tell the other ranks that rank 0 stops normally (best effort). The last
+        journal goes with it, so every rank ends holding the same entries."""
+        wire = WirePlan(kind=PlanKind.STOP)
+        wire.journal = self._resolve_journal([], wire)
+        wire.tokens = self._token_deltas()
+        wire.finishing = [(self._handles[rid], n) for rid, n in self._finishing]
+        wire.released = list(self._live)
         try:
-            self._send(encode(WirePlan(kind=PlanKind.STOP)))
+            self._send(encode(wire))
         except PeerLost:
             logger.warning("could not tell the other ranks to stop: a peer is gone already")
 
@@ -275,13 +282,19 @@ class Follower:
     def serve(self) -> int:
         """Run plans until rank 0 stops (0) or a peer is lost (raises PeerLost)."""
         if self.plan_timeout_s is not None:
-            threading.Thread(target=self._watch, name="mlxserve-follower-watch", daemon=True).start()
+            threading.Thread(
+                target=self._watch, name="mlxserve-follower-watch", daemon=True
+            ).start()
         while True:
             self._waiting_since = time.monotonic()
             values = self.group.broadcast(None)
             self._waiting_since = None
             wire = decode(values)
             if wire.kind == PlanKind.STOP:
+                self._prelude(wire)
+                self.runner.release([str(n) for n in wire.released])
+                for number in wire.released:
+                    self.requests.pop(number, None)
                 logger.info("rank %d: rank 0 stopped; exiting", self.group.rank)
                 return 0
             if not wire.empty:
@@ -305,26 +318,35 @@ class Follower:
                 os._exit(1)
 
     def apply(self, wire: WirePlan) -> None:
+        """Run one plan: what changed since the last one first, then the step itself."""
+        self._prelude(wire)
+        result = self.runner.run(self._plan(wire))
+        for output in result.outputs:
+            if output.error is not None:
+                logger.warning(
+                    "rank %d: request %s: %s", self.group.rank, output.request_id, output.error
+                )
+        self._keep(result)
+        for number in wire.released:
+            self.requests.pop(number, None)
+
+    def _prelude(self, wire: WirePlan) -> None:
+        """New requests, tokens, preemptions, finishing snapshots and the journal."""
         for number, ids in wire.new_requests:
             self.requests[number] = Request(str(number), ids, _FOLLOWER_PARAMS, 0.0)
         for number, ids in wire.tokens:
             self.requests[number].output_ids += ids
         for number in wire.preempted:
             request = self.requests[number]
-            request.fill_ids = request.prompt_ids + request.output_ids if request.output_ids else None
+            request.fill_ids = (
+                request.prompt_ids + request.output_ids if request.output_ids else None
+            )
             request.cache = None
         if wire.finishing:
             completed = [(str(n), self._key(n, length)) for n, length in wire.finishing]
             self._keep(self.runner.run(StepPlan(completed=completed)))
         self._replay(wire.journal)
         self.pending.clear()
-        result = self.runner.run(self._plan(wire))
-        for output in result.outputs:
-            if output.error is not None:
-                logger.warning("rank %d: request %s: %s", self.group.rank, output.request_id, output.error)
-        self._keep(result)
-        for number in wire.released:
-            self.requests.pop(number, None)
 
     def _plan(self, wire: WirePlan) -> StepPlan:
         plan = StepPlan(
@@ -339,7 +361,9 @@ class Follower:
             if chunk.flags & CHUNK_INITIAL:
                 initial, request.cache = request.cache, None
                 if initial is None:
-                    raise PlanDesync(f"request {chunk.handle} has no prefix-cache hit to start from")
+                    raise PlanDesync(
+                        f"request {chunk.handle} has no prefix-cache hit to start from"
+                    )
             snapshot = bool(chunk.flags & CHUNK_SNAPSHOT)
             plan.prefills.append(PrefillChunk(request, chunk.start, chunk.end, initial, snapshot))
         return plan
@@ -359,7 +383,9 @@ class Follower:
             if op == JournalOp.STORE:
                 snapshot = self.pending.pop((b, c), None)
                 if snapshot is None:
-                    logger.error("rank %d: no snapshot for prefix-cache entry %d", self.group.rank, entry_id)
+                    logger.error(
+                        "rank %d: no snapshot for prefix-cache entry %d", self.group.rank, entry_id
+                    )
                 else:
                     self.entries[entry_id] = _Entry(snapshot, b)
             elif op == JournalOp.DROP:

@@ -174,7 +174,9 @@ class Sharding:
             raise ModelLoadError(f"--distributed must be one of {', '.join(MODES)}")
         refused = REFUSED.get((model_type, self.mode))
         if refused is not None:
-            raise ModelLoadError(f"{model_type} cannot be served with --distributed {self.mode}: {refused}")
+            raise ModelLoadError(
+                f"{model_type} cannot be served with --distributed {self.mode}: {refused}"
+            )
         rank, size = int(self.group.rank()), int(self.group.size())
         own = model_type in OWN_PIPELINE
         # Untied plain-float embeddings and heads are split too (see the classes above):
