@@ -42,6 +42,7 @@ FAMILY_MODES = [
     ("qwen3", "tensor"),
     ("deepseek_v41", "pipeline"),
     ("deepseek_v4", "pipeline"),
+    ("deepseek_v4", "tensor"),
 ]
 
 
