@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +130,7 @@ def health(url: str) -> int | None:
         return None
 
 
-LONG_PROMPT = " ".join(f"item {i} of the list, then" for i in range(120))
+LONG_PROMPT = " ".join(f"item {i} of the list, then" for i in range(50))
 SHORT_PROMPTS = ("The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,")
 TOOL = {
     "type": "function",
@@ -257,3 +258,67 @@ def assert_same_answers(
 def run_pool(jobs: list[Callable[[], Any]]) -> list[Any]:
     with ThreadPoolExecutor(len(jobs)) as pool:
         return [f.result() for f in [pool.submit(job) for job in jobs]]
+
+
+EXIT_WITHIN_S = 10.0
+
+
+def _stream(url: str, prompt: str, first_token: threading.Event, outcome: list[str]) -> None:
+    """Stream a long completion; `outcome` gets "finished" (a normal end) or "failed"."""
+    body = {"prompt": prompt, "max_tokens": 4000, "temperature": 0, "stream": True}
+    finished = False
+    try:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", url + "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[len("data: ") :])
+                if "error" in data:
+                    break
+                choice = data["choices"][0]
+                if choice["text"]:
+                    first_token.set()
+                if choice.get("finish_reason") in ("stop", "length"):
+                    finished = True
+    except httpx.TransportError:
+        pass  # the connection broke: failed, as long as it did not finish first
+    finally:
+        first_token.set()
+    outcome.append("finished" if finished else "failed")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "State:\tZ" in status
+
+
+def kill_a_rank_mid_stream(server: LaunchedServer) -> None:
+    """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
+    and every rank exits within `EXIT_WITHIN_S`."""
+    pids = server.rank_pids()
+    assert set(pids) == {0, 1}, pids
+    events = [threading.Event(), threading.Event()]
+    outcomes: list[str] = []
+    threads = [
+        threading.Thread(target=_stream, args=(server.url, prompt, event, outcomes))
+        for prompt, event in zip(("A long story:", "Counting: 1, 2,"), events, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for event in events:
+        assert event.wait(60), "no stream started"
+    os.kill(pids[1], signal.SIGKILL)
+    for thread in threads:
+        thread.join(EXIT_WITHIN_S)
+    assert outcomes == ["failed", "failed"]
+    # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
+    assert health(server.url) in (503, None)
+    assert server.proc is not None
+    server.proc.wait(timeout=EXIT_WITHIN_S)
+    assert all(_gone(pid) for pid in pids.values()), pids

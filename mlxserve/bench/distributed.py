@@ -111,7 +111,7 @@ def worker(args: argparse.Namespace) -> int:
         from mlxserve.engine.distributed import Follower, shared_budget
         from mlxserve.engine.memory import default_kv_budget
 
-        model = load(args.model, shard=sharding)
+        model = load(args.model, shard=sharding, with_tokenizer=False)
         follower = Follower(model, group, None)
         cost = follower.runner.probe_cost()
         shared_budget(group, default_kv_budget(_weights(model)), cost.bytes_per_token)

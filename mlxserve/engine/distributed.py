@@ -20,6 +20,7 @@ turns 503.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -154,7 +155,10 @@ class PlanPublisher:
     def publish(self, plan: StepPlan, holders: list[Request]) -> None:
         """Send `plan`; `holders`: requests that may hold a prefix-cache hit's cache."""
         wire = WirePlan()
-        handle = lambda request: self._handle(request, wire)  # noqa: E731
+
+        def handle(request: Request) -> int:
+            return self._handle(request, wire)
+
         prefills = [
             WireChunk(
                 handle(c.request),
@@ -276,7 +280,8 @@ class Follower:
         # Snapshots this rank took that rank 0's journal has not stored (or refused) yet.
         self.pending: dict[tuple[int, int], list[Any]] = {}
         self.plan_timeout_s = plan_timeout_s
-        self._waiting_since: float | None = None
+        # When the current wait for a plan, or the current plan's run, began.
+        self._since = time.monotonic()
         self.steps = 0
 
     def serve(self) -> int:
@@ -286,9 +291,9 @@ class Follower:
                 target=self._watch, name="mlxserve-follower-watch", daemon=True
             ).start()
         while True:
-            self._waiting_since = time.monotonic()
+            self._since = time.monotonic()
             values = self.group.broadcast(None)
-            self._waiting_since = None
+            self._since = time.monotonic()
             wire = decode(values)
             if wire.kind == PlanKind.STOP:
                 self._prelude(wire)
@@ -302,19 +307,18 @@ class Follower:
                 self.steps += 1
 
     def _watch(self) -> None:
-        """No plan (not even an idle heartbeat) for `plan_timeout_s`: rank 0 is stuck."""
+        """No plan (not even an idle heartbeat) for `plan_timeout_s`, or a plan that runs
+        that long (a collective that never completes): a peer is stuck. A collective
+        cannot be cancelled, so the process leaves."""
         timeout = self.plan_timeout_s
         assert timeout is not None
-        while True:
-            time.sleep(min(1.0, timeout / 4))
-            since = self._waiting_since
-            if since is not None and time.monotonic() - since > timeout:
+        stopped = threading.Event()  # never set: the process ends with its main thread
+        while not stopped.wait(min(1.0, timeout / 4)):
+            if time.monotonic() - self._since > timeout:
                 logger.critical(
-                    "rank %d: no plan from rank 0 for %g s; exiting", self.group.rank, timeout
+                    "rank %d: no progress with rank 0 for %g s; exiting", self.group.rank, timeout
                 )
                 logging.shutdown()
-                import os
-
                 os._exit(1)
 
     def apply(self, wire: WirePlan) -> None:

@@ -44,7 +44,7 @@ def _serve(
     try:
         path = checked_model_path(args)
         logger.info("loading this rank's shard of %s", path)
-        model = load(path, chat_encoder=args.chat_encoder, shard=sharding)
+        model = load(path, chat_encoder=args.chat_encoder, shard=sharding, with_tokenizer=False)
     except (ModelLoadError, ValueError, RuntimeError) as e:
         logger.critical("loading failed: %s", e)
         return 1

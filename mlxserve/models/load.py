@@ -164,6 +164,13 @@ def load_tokenizer(path: Path, eos_token_id: Any = None) -> Any:
     return load_wrapper(Path(path), eos_token_ids=eos_token_id)
 
 
+def _vocab_size(tokenizer: Any, config: dict[str, Any]) -> int:
+    size = config.get("vocab_size")
+    if size or tokenizer is None:
+        return int(size or 0)
+    return len(tokenizer.get_vocab())
+
+
 def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     configured = config.get("eos_token_id")
@@ -171,7 +178,7 @@ def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
         ids.add(configured)
     elif isinstance(configured, list):
         ids.update(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
 
@@ -181,11 +188,14 @@ def load(
     chat_encoder: str = "auto",
     progress: LoadProgress | None = None,
     shard: ShardFn | None = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem.
 
     `progress` (if given) follows the load: stage and fraction of weight bytes.
     `shard`: load only this rank's shard (`models/shard.Sharding`).
+    `with_tokenizer=False` (a distributed follower, which only runs forwards) skips
+    the tokenizer and the prompt-format check: `tokenizer` is None.
     """
     progress = progress or LoadProgress(bar=False)
     path = Path(path)
@@ -200,7 +210,7 @@ def load(
     try:
         module = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
-        tokenizer = load_tokenizer(path, config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, config.get("eos_token_id")) if with_tokenizer else None
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
     adapter = ModelAdapter(module, model_type)
@@ -213,12 +223,13 @@ def load(
         make_cache=adapter.make_cache,
         eos_token_ids=_eos_ids(tokenizer, config),
         chat_encoder=encoder,
-        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
+        vocab_size=_vocab_size(tokenizer, config),
         min_prefill_chunk=min_prefill_chunk(model_type),
     )
     if shard is not None and not getattr(shard, "batchable", lambda _: True)(model_type):
         loaded.extra["batchable"] = False
-    _check_renderable(loaded)
+    if tokenizer is not None:
+        _check_renderable(loaded)
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
     return loaded
