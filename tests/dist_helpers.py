@@ -322,3 +322,6 @@ def kill_a_rank_mid_stream(server: LaunchedServer) -> None:
     assert server.proc is not None
     server.proc.wait(timeout=EXIT_WITHIN_S)
     assert all(_gone(pid) for pid in pids.values()), pids
+    # mlx.launch names each rank that ended with a non-zero status (or a signal).
+    log = server.log.read_text(errors="replace")
+    assert "Node with rank 0 exited with code" in log or "rank 0 was killed" in log, log[-2000:]

@@ -190,8 +190,9 @@ class EngineCore:
             self._loop()
             stopped = True
             self._close_disk()
-            if self.publisher is not None:
-                self.publisher.stop()
+            if self.publisher is not None and not self.publisher.stop():
+                # A rank was lost as the server stopped: not a clean stop.
+                self.failure = "another rank was lost"
         except EngineStalled as e:  # the watchdog has reported it already
             reason = str(e)
         except BaseException as e:  # any end but a stop is reported (below)

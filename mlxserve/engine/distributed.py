@@ -198,9 +198,9 @@ class PlanPublisher:
             if output.request_id in self._handles:
                 self._finishing.append((output.request_id, len(snapshot.key_ids)))
 
-    def stop(self) -> None:
-        """Tell the other ranks that rank 0 stops normally (best effort). The last
-        journal goes with it, so every rank ends holding the same entries."""
+    def stop(self) -> bool:
+        """Tell the other ranks that rank 0 stops normally; False if a peer is gone.
+        The last journal goes with it, so every rank ends holding the same entries."""
         wire = WirePlan(kind=PlanKind.STOP)
         wire.journal = self._resolve_journal([], wire)
         wire.tokens = self._token_deltas()
@@ -210,6 +210,8 @@ class PlanPublisher:
             self._send(encode(wire))
         except PeerLost:
             logger.warning("could not tell the other ranks to stop: a peer is gone already")
+            return False
+        return True
 
     # -- helpers --------------------------------------------------------------
     def _send(self, values: list[int]) -> None:
