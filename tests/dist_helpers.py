@@ -298,9 +298,13 @@ def _gone(pid: int) -> bool:
     return "State:\tZ" in status
 
 
-def kill_a_rank_mid_stream(server: LaunchedServer) -> None:
+def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None = None) -> None:
     """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
-    and every rank exits within `EXIT_WITHIN_S`."""
+    and every rank exits within `EXIT_WITHIN_S`.
+
+    With `stall_after_s` (the server's --step-timeout), rank 1 is stopped (SIGSTOP)
+    instead: a rank that stops answering. Rank 0's step watchdog declares the engine
+    dead after that long; then rank 1 is killed, as a supervisor would."""
     pids = server.rank_pids()
     assert set(pids) == {0, 1}, pids
     events = [threading.Event(), threading.Event()]
@@ -313,9 +317,16 @@ def kill_a_rank_mid_stream(server: LaunchedServer) -> None:
         thread.start()
     for event in events:
         assert event.wait(60), "no stream started"
-    os.kill(pids[1], signal.SIGKILL)
-    for thread in threads:
-        thread.join(EXIT_WITHIN_S)
+    if stall_after_s is None:
+        os.kill(pids[1], signal.SIGKILL)
+        for thread in threads:
+            thread.join(EXIT_WITHIN_S)
+    else:
+        os.kill(pids[1], signal.SIGSTOP)
+        for thread in threads:
+            thread.join(stall_after_s + EXIT_WITHIN_S)
+        # A stopped process takes no SIGTERM from mlx.launch: the supervisor kills it.
+        os.kill(pids[1], signal.SIGKILL)
     assert outcomes == ["failed", "failed"]
     # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
     assert health(server.url) in (503, None)
