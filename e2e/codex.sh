@@ -85,8 +85,8 @@ grep -qF "$ANSWER" "$WORK/codex.out" || fail "codex did not print the scripted a
 
 METRICS="$(curl -sf "http://127.0.0.1:$PORT/metrics")"
 # Prometheus writes counters as floats ("2.0"): keep the integer part.
-ok="$(grep -E '^mlxserve_requests_total\{endpoint="responses",outcome="ok"\}' <<<"$METRICS" | awk '{printf "%d", $2}')"
-cached="$(grep -E '^mlxserve_cached_prompt_tokens_total ' <<<"$METRICS" | awk '{printf "%d", $2}')"
+ok="$(grep -E '^mlxserve_requests_total\{endpoint="responses",model_name="[^"]*",outcome="ok"\}' <<<"$METRICS" | awk '{printf "%d", $2}')"
+cached="$(grep -E '^mlxserve_cached_prompt_tokens_total\{' <<<"$METRICS" | awk '{printf "%d", $2}')"
 echo "codex e2e: responses_ok=${ok:-0} cached_prompt_tokens=${cached:-0}"
 [[ "${ok:-0}" -ge 2 ]] || fail "expected at least 2 successful /v1/responses calls"
 [[ "${cached:-0}" -gt 0 ]] || fail "the second turn did not hit the prefix cache"

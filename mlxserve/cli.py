@@ -38,7 +38,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--strict-model-name",
         action="store_true",
-        help="404 a request naming another model (default: any name is served)",
+        help="404 a request naming another model (default: the default model serves it)",
+    )
+    p.add_argument(
+        "--model",
+        dest="model_specs",
+        action="append",
+        default=None,
+        metavar="NAME[,ALIAS...]=PATH_OR_ID",
+        help="serve several models (repeat it; in place of MODEL): each has its own engine "
+        "and prefix cache, all share one KV budget; requests are routed by `model`",
+    )
+    p.add_argument(
+        "--models-config",
+        default=None,
+        metavar="FILE.toml",
+        help="the models to serve as [[model]] tables (name, path, aliases, per-model "
+        "tool_call_parser / reasoning_parser / chat_encoder) and an optional default",
+    )
+    p.add_argument(
+        "--default-model",
+        default=None,
+        metavar="NAME",
+        help="the model that serves names no model answers to (default: the first)",
     )
     p.add_argument(
         "--tool-call-parser",

@@ -30,11 +30,12 @@ def serve_args(*extra: str, model: str = "test-model") -> argparse.Namespace:
 class ServerThread:
     """uvicorn serving the real app (real AsyncEngine) in a background thread."""
 
-    def __init__(self, args: argparse.Namespace, loader: Callable[[], LoadedModel]) -> None:
+    def __init__(self, args: argparse.Namespace, loader: Callable[[], LoadedModel] | None) -> None:
         import uvicorn
 
         self.args = args
-        self.app, self.state = build_app(args, loader=loader)
+        self.app, self.served = build_app(args, loader=loader)
+        self.state = self.served.default
         config = uvicorn.Config(
             self.app,
             host=args.host,
@@ -58,10 +59,12 @@ class ServerThread:
         self.thread.start()
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
-            if self.server.started and (self.state.engine.ready or not wait_ready):
+            engines = [state.engine for state in self.served.models]
+            if self.server.started and (all(e.ready for e in engines) or not wait_ready):
                 return self
-            if self.state.engine.load_error is not None:
-                raise RuntimeError(self.state.engine.load_error)
+            for engine in engines:
+                if engine.load_error is not None:
+                    raise RuntimeError(engine.load_error)
             if not self.thread.is_alive():
                 raise RuntimeError("the server thread died")
             time.sleep(0.05)
@@ -198,10 +201,11 @@ def serve_in_thread(
     the list its exit status lands in; returns once the model is ready."""
     from mlxserve.api.serve import serve_app
 
-    app, state = build_app(args, loader=loader)
+    app, served = build_app(args, loader=loader)
+    state = served.default
     result: list[int] = []
     thread = threading.Thread(
-        target=lambda: result.append(serve_app(app, state, args.host, args.port, "warning")),
+        target=lambda: result.append(serve_app(app, served, args.host, args.port, "warning")),
         daemon=True,
     )
     thread.start()
@@ -209,3 +213,14 @@ def serve_in_thread(
     while not state.engine.ready and time.monotonic() < deadline:
         time.sleep(0.05)
     return state, thread, result
+
+
+def metric(text: str, sample: str, **labels: str) -> float | None:
+    """The value of the /metrics sample `sample` whose labels include `labels` (else None)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None

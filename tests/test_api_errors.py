@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from api_fixtures import ServerThread, assert_error_shape, chat_body, serve_args
+from api_fixtures import ServerThread, assert_error_shape, chat_body, metric, serve_args
 
 from mlxserve.engine.request import RequestStatus
 from mlxserve.models.scripted import scripted_model
@@ -241,5 +241,5 @@ def test_non_stream_disconnect_aborts(server: ServerThread, http: httpx.Client) 
 
 def test_metrics_count_errors(server: ServerThread, http: httpx.Client) -> None:
     text = http.get("/metrics").text
-    assert 'mlxserve_requests_total{endpoint="chat",outcome="400"}' in text
-    assert 'mlxserve_requests_total{endpoint="chat",outcome="aborted"}' in text
+    assert metric(text, "mlxserve_requests_total", endpoint="chat", outcome="400")
+    assert metric(text, "mlxserve_requests_total", endpoint="chat", outcome="aborted")

@@ -14,6 +14,7 @@ from api_fixtures import (
     ServerThread,
     assert_error_shape,
     chat_body,
+    metric,
     serve_args,
     serve_in_thread,
 )
@@ -54,7 +55,7 @@ def test_a_dead_engine_fails_open_streams_and_health_says_so(model_dir_factory) 
         assert "the engine failed" in error["message"] and "EngineKill" in error["message"]
         health = http.get("/health")
         assert health.status_code == 503 and "EngineKill" in health.json()["error"]
-        assert "mlxserve_engine_alive 0" in http.get("/metrics").text
+        assert metric(http.get("/metrics").text, "mlxserve_engine_alive") == 0
         err = assert_error_shape(http.post("/v1/chat/completions", json=chat_body()), 503)
         assert err["code"] == "engine_failed"
         assert srv.state.engine.open_requests()["streams"] == 0  # type: ignore[attr-defined]
@@ -113,7 +114,7 @@ def test_a_stop_string_is_a_normal_stop() -> None:
         # The prompt snapshot and the `prompt + output` entry of a finished request.
         assert stats["prefix_cache"]["inserts"] == 2
         metrics = httpx.get(srv.url + "/metrics").text
-        assert 'mlxserve_requests_total{endpoint="chat",outcome="ok"} 1' in metrics
+        assert metric(metrics, "mlxserve_requests_total", endpoint="chat", outcome="ok") == 1
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +152,15 @@ def test_no_per_request_state_is_left_on_any_path(llama_server: ServerThread) ->
 
 
 def _text_outcomes(srv: ServerThread) -> dict[str, float]:
-    prefix = 'mlxserve_requests_total{endpoint="text",outcome="'
-    counts = {}
-    for line in httpx.get(srv.url + "/metrics").text.splitlines():
-        if line.startswith(prefix):
-            outcome, value = line[len(prefix) :].split('"} ')
-            counts[outcome] = float(value)
-    return counts
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(srv.url + "/metrics").text
+    return {
+        s.labels["outcome"]: float(s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "mlxserve_requests_total" and s.labels.get("endpoint") == "text"
+    }
 
 
 def test_a_failed_generation_counts_once(llama_server: ServerThread) -> None:

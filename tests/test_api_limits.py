@@ -22,6 +22,7 @@ from api_fixtures import ServerThread, assert_error_shape, serve_args
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import Sampling
+from mlxserve.api.models import ServedModels
 from mlxserve.api.state import DEFAULT_CONTEXT_LIMIT, ServerState, model_context_length
 from mlxserve.config import ServerConfig
 from mlxserve.models.loaded import LoadedModel
@@ -132,14 +133,15 @@ def test_an_overflow_names_the_routes_own_fields() -> None:
 def test_model_names(caplog: pytest.LogCaptureFixture) -> None:
     state = _state(aliases=("served", "deepseek-v4"))
     assert state.served_names == ("served", "deepseek-v4")
-    with caplog.at_level(logging.INFO, logger="mlxserve.api.state"):
+    server = ServedModels.one(state)
+    with caplog.at_level(logging.INFO, logger="mlxserve.api.models"):
         for name in ("served", "deepseek-v4", None, "", "claude-sonnet-4-5", "claude-sonnet-4-5"):
-            state.check_model_name(name)
+            assert server.route(name) is state
     assert caplog.text.count("claude-sonnet-4-5") == 1
-    strict = _state(aliases=("served", "alias"), strict_model_name=True)
-    strict.check_model_name("alias")
+    strict = ServedModels.one(_state(aliases=("served", "alias")), strict=True)
+    strict.route("alias")
     with pytest.raises(APIError) as e:
-        strict.check_model_name("claude-sonnet-4-5")
+        strict.route("claude-sonnet-4-5")
     assert e.value.status == 404 and e.value.code == "model_not_found"
 
 

@@ -274,34 +274,57 @@ def test_wire_shapes(tokenizer: Any) -> None:
 
 
 def test_metrics_render() -> None:
-    m = Metrics()
+    m = Metrics().for_model("m1")
     m.count_request("chat", "ok")
     m.observe_ttft(0.03)
     m.count_tokens(10, 5, 4)
-    text = m.render({"running": 2, "waiting": 1, "prefix_cache": {"hits": 3}}, ready=True)
-    assert "mlxserve_requests_running 2" in text
-    assert "mlxserve_requests_waiting 1" in text
-    assert 'mlxserve_requests_total{endpoint="chat",outcome="ok"} 1' in text
-    assert 'mlxserve_time_to_first_token_seconds_bucket{le="0.05"} 1' in text
-    assert "mlxserve_prefix_cache_hits_total 3" in text
-    assert "mlxserve_generation_tokens_total 5" in text
+    stats = {"running": 2, "waiting": 1, "prefix_cache": {"hits": 3}}
+    text = m.metrics.render([("m1", stats, True)])
+    assert 'mlxserve_requests_running{model_name="m1"} 2' in text
+    assert 'mlxserve_requests_waiting{model_name="m1"} 1' in text
+    assert 'mlxserve_requests_total{endpoint="chat",model_name="m1",outcome="ok"} 1' in text
+    assert 'mlxserve_time_to_first_token_seconds_bucket{le="0.05",model_name="m1"} 1' in text
+    assert 'mlxserve_prefix_cache_hits_total{model_name="m1"} 3' in text
+    assert 'mlxserve_generation_tokens_total{model_name="m1"} 5' in text
+
+
+def test_metrics_label_each_model() -> None:
+    """Several served models: every series names its model; requests count per model."""
+    metrics = Metrics()
+    big, small = metrics.for_model("big"), metrics.for_model("small")
+    big.count_request("messages", "200")
+    small.count_request("messages", "200")
+    small.count_request("messages", "200")
+    spec = {"drafter": "ngram", "draft_tokens": 4}
+    text = metrics.render(
+        [("big", {"running": 1, "speculative": spec}, True), ("small", {"running": 0}, False)]
+    )
+    assert 'mlxserve_requests_total{endpoint="messages",model_name="big",outcome="200"} 1' in text
+    assert 'mlxserve_requests_total{endpoint="messages",model_name="small",outcome="200"} 2' in text
+    assert 'mlxserve_requests_running{model_name="big"} 1' in text
+    assert 'mlxserve_requests_running{model_name="small"} 0' in text
+    assert 'mlxserve_model_ready{model_name="small"} 0' in text
+    assert 'mlxserve_spec_draft_tokens_total{drafter="ngram",model_name="big"} 4' in text
+    assert text.count("# TYPE mlxserve_requests_running gauge") == 1
 
 
 def test_metrics_are_prometheus_client_families() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    m, other = Metrics(), Metrics()  # each has its own registry: no duplicate-name error
+    metrics, other = Metrics(), Metrics()  # each has its own registry: no duplicate-name error
+    m = metrics.for_model("m")
     m.observe_ttft(0.2)
     for gap in (0.004, 0.02, 0.02):
         m.observe_itl(gap)
     m.observe_e2e(1.5)
-    other.count_request("text", "ok")
+    other.for_model("m").count_request("text", "ok")
     stats = {
         "running": 1,
         "kv_cache_bytes": 4096,
         "prefix_cache": {"hits": 3, "misses": 1, "bytes": 10, "entries": 2},
     }
-    families = {f.name: f for f in text_string_to_metric_families(m.render(stats, ready=True))}
+    text = metrics.render([("m", stats, True)])
+    families = {f.name: f for f in text_string_to_metric_families(text)}
     kinds = {name: f.type for name, f in families.items()}
     assert kinds["mlxserve_time_to_first_token_seconds"] == "histogram"
     assert kinds["mlxserve_inter_token_latency_seconds"] == "histogram"
@@ -323,8 +346,10 @@ def test_metrics_are_prometheus_client_families() -> None:
     assert value("mlxserve_kv_cache_bytes", "mlxserve_kv_cache_bytes") == 4096
     assert value("mlxserve_model_ready", "mlxserve_model_ready") == 1
     assert not [s for f in families.values() for s in f.samples if s.name.endswith("_created")]
-    assert 'outcome="ok"' not in m.render(None, ready=False)
-    assert "mlxserve_prefix_cache_hit_ratio 0.0" in m.render(None, ready=False)
+    assert 'outcome="ok"' not in metrics.render([("m", {}, False)])
+    assert 'mlxserve_prefix_cache_hit_ratio{model_name="m"} 0.0' in metrics.render(
+        [("m", {}, False)]
+    )
 
 
 # -- incremental detokenizer -----------------------------------------------------------

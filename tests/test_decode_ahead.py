@@ -14,7 +14,7 @@ import pytest
 from mlxserve.cache.prefix_cache import PrefixCache
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
-from mlxserve.engine.request import Request, RequestStatus, SamplingParams
+from mlxserve.engine.request import Constraint, Request, RequestStatus, SamplingParams
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.generate import greedy_generate
@@ -117,15 +117,49 @@ def test_decoding_ahead_draws_what_a_plain_step_draws(family: str, model_dir_fac
     assert all(value is not None for value in ahead.logprobs["logprobs"])
 
 
-def test_rows_that_need_their_history_never_run_ahead(model_dir_factory) -> None:
+def test_rows_that_need_their_history_run_their_forward_ahead(model_dir_factory) -> None:
+    """A penalized row draws only once its tokens are read, but its forward still runs a
+    step ahead: the same tokens as plain steps."""
     model = load(model_dir_factory("deepseek_v4"))
     jobs = _mixed_jobs()
     jobs["penalized"] = Job(_ids(6, 8), SamplingParams(max_tokens=30, repetition_penalty=1.3))
     plain = drive(model, jobs, decode_ahead=False)
     ahead = drive(model, jobs, decode_ahead=True)
     assert ahead.tokens == plain.tokens and ahead.logprobs == plain.logprobs
-    # The penalized row decodes from the first step to the last one.
-    assert ahead.ahead_steps == 0
+    assert ahead.ahead_steps > 0 and not ahead.errors
+
+
+DIGITS = '%llguidance {}\nstart: "ab" /[0-9]{3,40}/ "cd"'
+
+
+def test_constrained_rows_run_their_forward_ahead(model_dir_factory) -> None:
+    """Grammar rows (one whose grammar starts only after a marker token, as after
+    reasoning) decode ahead with the masks of the tokens read so far: the same tokens as
+    plain steps, and every one allowed."""
+    model = load(model_dir_factory("deepseek_v4"))
+    prompt = _ids(7, 9)
+    marker = greedy_generate(model, prompt, 4)[2]  # greedy reaches it at the third token
+    jobs = {
+        "free": Job(_ids(1, 7), SamplingParams(max_tokens=24)),
+        "json": Job(
+            _ids(8, 6),
+            SamplingParams(max_tokens=24, temperature=1.0, seed=3, constraint=Constraint(DIGITS)),
+        ),
+        "after": Job(
+            prompt,
+            SamplingParams(max_tokens=16, constraint=Constraint(DIGITS, start_after=(marker,))),
+        ),
+    }
+    plain = drive(model, jobs, decode_ahead=False)
+    ahead = drive(model, jobs, decode_ahead=True)
+    assert not plain.errors and not ahead.errors, (plain.errors, ahead.errors)
+    assert ahead.tokens == plain.tokens and ahead.ahead_steps > 0
+    text = model.tokenizer.decode(ahead.tokens["after"][3:])
+    assert text.startswith("ab"), text
+    # Alone, the row ran ahead from its first step: the token after the marker was once
+    # drawn before the marker was read, unmasked, and the grammar rejected it.
+    alone = drive(model, {"after": jobs["after"]}, decode_ahead=True)
+    assert not alone.errors and alone.tokens["after"] == plain.tokens["after"]
 
 
 def test_completion_snapshots_of_rows_that_ran_ahead_hold_what_they_output(

@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from api_fixtures import ServerThread, chat_body, serve_args, serve_in_thread
+from api_fixtures import ServerThread, chat_body, metric, serve_args, serve_in_thread
 from engine_helpers import Wedge, collect, wait_until, wrapped_loader
 
 from mlxserve.config import EngineConfig
@@ -72,8 +72,8 @@ def test_health_and_metrics_say_stalled(model_dir_factory) -> None:
             health = http.get("/health")
             assert health.status_code == 503 and "engine stalled" in health.json()["error"]
             metrics = http.get("/metrics").text
-            assert "mlxserve_engine_stalled 1.0" in metrics
-            assert "mlxserve_engine_alive 0.0" in metrics
+            assert metric(metrics, "mlxserve_engine_stalled") == 1
+            assert metric(metrics, "mlxserve_engine_alive") == 0
         finally:
             wedge.release.set()
 

@@ -179,10 +179,11 @@ def test_a_load_that_fails_on_the_engine_thread_ends_serve_non_zero() -> None:
         raise ModelLoadError("weights in /nowhere are corrupt")
 
     args = serve_args()
-    app, state = serve.build_app(args, loader=broken_loader)
+    app, served = serve.build_app(args, loader=broken_loader)
+    state = served.default
     result: list[int] = []
     thread = threading.Thread(
-        target=lambda: result.append(serve.serve_app(app, state, args.host, args.port, "error")),
+        target=lambda: result.append(serve.serve_app(app, served, args.host, args.port, "error")),
         daemon=True,
     )
     thread.start()

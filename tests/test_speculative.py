@@ -258,7 +258,7 @@ def test_metrics_show_drafts_per_drafter() -> None:
         "verify_forwards": 4,
         "tokens_per_forward": 3.25,
     }
-    text = Metrics().render({"speculative": spec}, ready=True)
-    assert 'mlxserve_spec_accepted_tokens_total{drafter="ngram"} 9.0' in text
-    assert 'mlxserve_spec_tokens_per_forward{drafter="ngram"} 3.25' in text
-    assert "mlxserve_spec_" not in Metrics().render({"speculative": None}, ready=True)
+    text = Metrics().render([("m", {"speculative": spec}, True)])
+    assert 'mlxserve_spec_accepted_tokens_total{drafter="ngram",model_name="m"} 9.0' in text
+    assert 'mlxserve_spec_tokens_per_forward{drafter="ngram",model_name="m"} 3.25' in text
+    assert "mlxserve_spec_" not in Metrics().render([("m", {"speculative": None}, True)])

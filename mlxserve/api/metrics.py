@@ -33,56 +33,78 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 disable_created_metrics()
 
 
+# Every series carries the model it describes (a server may serve several).
+MODEL_LABEL = "model_name"
+Family = GaugeMetricFamily | CounterMetricFamily
+ModelStats = tuple[str, dict[str, Any], bool]
+
+
 class _EngineCollector(Collector):
-    """Gauges and engine-side counters from the latest `engine.stats()`."""
+    """Gauges and engine-side counters from each model's latest `engine.stats()`."""
 
     def __init__(self) -> None:
-        self.stats: dict[str, Any] = {}
-        self.ready = False
+        self.models: list[ModelStats] = []
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        p, stats = PREFIX, self.stats
-        cache = stats.get("prefix_cache") or {}
-        yield _gauge(f"{p}_model_ready", "1 once the model is loaded.", int(self.ready))
-        alive = int(bool(stats.get("alive", True)))
-        yield _gauge(f"{p}_engine_alive", "0 once the engine thread has died.", alive)
-        stalled = int(bool(stats.get("stalled", False)))
-        yield _gauge(f"{p}_engine_stalled", "1 once a step outlived --step-timeout.", stalled)
-        yield _gauge(f"{p}_requests_running", "Requests decoding now.", _num(stats, "running"))
-        yield _gauge(f"{p}_requests_waiting", "Requests queued for a slot.", _num(stats, "waiting"))
-        yield _gauge(
-            f"{p}_kv_cache_bytes",
-            "Bytes of KV cache held by the requests in flight.",
-            _num(stats, "kv_cache_bytes"),
-        )
-        yield _gauge(
-            f"{p}_mlx_active_bytes", "Bytes of MLX arrays alive.", _num(stats, "mlx_active_bytes")
-        )
-        yield _gauge(
-            f"{p}_mlx_cache_bytes",
-            "Bytes of freed buffers MLX keeps for reuse.",
-            _num(stats, "mlx_cache_bytes"),
-        )
-        for key in ("hits", "misses", "tokens_reused"):
-            yield CounterMetricFamily(
-                f"{p}_prefix_cache_{key}",
-                f"Prefix cache {key.replace('_', ' ')}.",
-                value=_num(cache, key),
-            )
-        for key in ("bytes", "entries"):
-            yield _gauge(f"{p}_prefix_cache_{key}", f"Prefix cache {key}.", _num(cache, key))
-        hits, misses = _num(cache, "hits"), _num(cache, "misses")
-        ratio = hits / (hits + misses) if hits + misses else 0.0
-        yield _gauge(
-            f"{p}_prefix_cache_hit_ratio",
-            "Share of prefix-cache lookups that reused a cached prefix (since start).",
-            ratio,
-        )
-        yield from _disk_metrics(stats.get("prefix_cache_disk") or {})
-        yield from _speculative_metrics(stats.get("speculative") or {})
+    def collect(self) -> Iterator[Family]:
+        families: dict[str, Family] = {}
+        for name, stats, ready in self.models:
+            for family in _model_families(stats, ready):
+                kept = families.setdefault(family.name, _labelled(family))
+                for sample in family.samples:
+                    labels = {**sample.labels, MODEL_LABEL: name}
+                    kept.add_sample(sample.name, labels, sample.value)
+        yield from families.values()
 
 
-def _speculative_metrics(spec: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _labelled(family: Family) -> Family:
+    """An empty family like `family` (its samples get the model label as they are added)."""
+    kind = GaugeMetricFamily if isinstance(family, GaugeMetricFamily) else CounterMetricFamily
+    return kind(family.name, family.documentation, labels=())
+
+
+def _model_families(stats: dict[str, Any], ready: bool) -> Iterator[Family]:
+    p = PREFIX
+    cache = stats.get("prefix_cache") or {}
+    yield _gauge(f"{p}_model_ready", "1 once the model is loaded.", int(ready))
+    alive = int(bool(stats.get("alive", True)))
+    yield _gauge(f"{p}_engine_alive", "0 once the engine thread has died.", alive)
+    stalled = int(bool(stats.get("stalled", False)))
+    yield _gauge(f"{p}_engine_stalled", "1 once a step outlived --step-timeout.", stalled)
+    yield _gauge(f"{p}_requests_running", "Requests decoding now.", _num(stats, "running"))
+    yield _gauge(f"{p}_requests_waiting", "Requests queued for a slot.", _num(stats, "waiting"))
+    yield _gauge(
+        f"{p}_kv_cache_bytes",
+        "Bytes of KV cache held by the requests in flight.",
+        _num(stats, "kv_cache_bytes"),
+    )
+    yield _gauge(
+        f"{p}_mlx_active_bytes", "Bytes of MLX arrays alive.", _num(stats, "mlx_active_bytes")
+    )
+    yield _gauge(
+        f"{p}_mlx_cache_bytes",
+        "Bytes of freed buffers MLX keeps for reuse.",
+        _num(stats, "mlx_cache_bytes"),
+    )
+    for key in ("hits", "misses", "tokens_reused"):
+        yield CounterMetricFamily(
+            f"{p}_prefix_cache_{key}",
+            f"Prefix cache {key.replace('_', ' ')}.",
+            value=_num(cache, key),
+        )
+    for key in ("bytes", "entries"):
+        yield _gauge(f"{p}_prefix_cache_{key}", f"Prefix cache {key}.", _num(cache, key))
+    hits, misses = _num(cache, "hits"), _num(cache, "misses")
+    ratio = hits / (hits + misses) if hits + misses else 0.0
+    yield _gauge(
+        f"{p}_prefix_cache_hit_ratio",
+        "Share of prefix-cache lookups that reused a cached prefix (since start).",
+        ratio,
+    )
+    yield from _disk_metrics(stats.get("prefix_cache_disk") or {})
+    yield from _speculative_metrics(stats.get("speculative") or {})
+
+
+def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Family]:
     if not spec:
         return
     p, labels = f"{PREFIX}_spec", ["drafter"]
@@ -125,7 +147,7 @@ _DISK_GAUGES = {
 }
 
 
-def _disk_metrics(disk: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+def _disk_metrics(disk: dict[str, Any]) -> Iterator[Family]:
     if not disk:
         return
     p = f"{PREFIX}_prefix_cache_disk"
@@ -136,67 +158,81 @@ def _disk_metrics(disk: dict[str, Any]) -> Iterator[GaugeMetricFamily | CounterM
 
 
 class Metrics:
-    """Request counters and latency histograms of one server."""
+    """Request counters and latency histograms of one server, labelled by model."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        p, reg = PREFIX, self.registry
+        p, reg, model = PREFIX, self.registry, [MODEL_LABEL]
         self._engine = _EngineCollector()
         reg.register(self._engine)
-        self._requests = Counter(
+        self.requests = Counter(
             f"{p}_requests",
             "HTTP generation requests by endpoint and outcome.",
-            ["endpoint", "outcome"],
+            ["endpoint", "outcome", MODEL_LABEL],
             registry=reg,
         )
-        self._prompt = Counter(f"{p}_prompt_tokens", "Prompt tokens served.", registry=reg)
-        self._generated = Counter(f"{p}_generation_tokens", "Tokens generated.", registry=reg)
-        self._cached = Counter(
+        self.prompt = Counter(f"{p}_prompt_tokens", "Prompt tokens served.", model, registry=reg)
+        self.generated = Counter(f"{p}_generation_tokens", "Tokens generated.", model, registry=reg)
+        self.cached = Counter(
             f"{p}_cached_prompt_tokens",
             "Prompt tokens served from the prefix cache.",
+            model,
             registry=reg,
         )
-        self._ttft = Histogram(
+        self.ttft = Histogram(
             f"{p}_time_to_first_token_seconds",
             "Time to first token.",
+            model,
             buckets=TTFT_BUCKETS,
             registry=reg,
         )
-        self._itl = Histogram(
+        self.itl = Histogram(
             f"{p}_inter_token_latency_seconds",
             "Time between consecutive generated tokens of a request.",
+            model,
             buckets=ITL_BUCKETS,
             registry=reg,
         )
-        self._e2e = Histogram(
+        self.e2e = Histogram(
             f"{p}_e2e_request_latency_seconds",
             "Time from a request's arrival to its last token.",
+            model,
             buckets=E2E_BUCKETS,
             registry=reg,
         )
 
+    def for_model(self, name: str) -> ModelMetrics:
+        return ModelMetrics(self, name)
+
+    def render(self, models: list[ModelStats]) -> str:
+        """The text exposition (format 0.0.4) with each model's (name, engine stats, ready)."""
+        self._engine.models = [(name, dict(stats or {}), ready) for name, stats, ready in models]
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class ModelMetrics:
+    """What the request handlers record for one served model."""
+
+    def __init__(self, metrics: Metrics, name: str) -> None:
+        self.metrics = metrics
+        self.name = name
+
     def count_request(self, endpoint: str, outcome: str) -> None:
-        self._requests.labels(endpoint=endpoint, outcome=outcome).inc()
+        self.metrics.requests.labels(endpoint, outcome, self.name).inc()
 
     def observe_ttft(self, seconds: float) -> None:
-        self._ttft.observe(seconds)
+        self.metrics.ttft.labels(self.name).observe(seconds)
 
     def observe_itl(self, seconds: float) -> None:
-        self._itl.observe(seconds)
+        self.metrics.itl.labels(self.name).observe(seconds)
 
     def observe_e2e(self, seconds: float) -> None:
-        self._e2e.observe(seconds)
+        self.metrics.e2e.labels(self.name).observe(seconds)
 
     def count_tokens(self, prompt: int, generated: int, cached: int) -> None:
-        self._prompt.inc(prompt)
-        self._generated.inc(generated)
-        self._cached.inc(cached)
-
-    def render(self, engine_stats: dict[str, Any] | None, ready: bool) -> str:
-        """The text exposition (format 0.0.4) with these engine stats."""
-        self._engine.stats = dict(engine_stats or {})
-        self._engine.ready = ready
-        return generate_latest(self.registry).decode("utf-8")
+        self.metrics.prompt.labels(self.name).inc(prompt)
+        self.metrics.generated.labels(self.name).inc(generated)
+        self.metrics.cached.labels(self.name).inc(cached)
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

@@ -26,6 +26,7 @@ from mlxserve.api.body import parse_body
 from mlxserve.api.detok import CONTEXT_TOKENS
 from mlxserve.api.errors import APIError, GenerationFailed
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.models import ServedModels
 from mlxserve.api.notices import warn_once
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
 from mlxserve.api.state import ServerState
@@ -247,12 +248,13 @@ RequestT = TypeVar("RequestT", bound=BaseModel)
 
 
 async def accept(
-    state: ServerState, request: Request, schema: type[RequestT]
-) -> tuple[RequestT, LoadedModel]:
-    """The validated body and the model to serve it (4xx/503 otherwise)."""
+    server: ServedModels, request: Request, schema: type[RequestT]
+) -> tuple[RequestT, ServerState, LoadedModel]:
+    """The validated body, the served model it names and that model, loaded (4xx/503
+    otherwise)."""
     req = parse_body(schema, await request.body())
     check = getattr(req, "check_supported", None)
     if check is not None:
         check()
-    state.check_model_name(getattr(req, "model", None))
-    return req, state.require_model()
+    state = server.route(getattr(req, "model", None))
+    return req, state, state.require_model()

@@ -6,15 +6,20 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
 from mlxserve.api.app import create_app
+from mlxserve.api.metrics import Metrics
+from mlxserve.api.model_specs import ModelSpec, model_specs
+from mlxserve.api.models import ServedModels
 from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.engine.kv_pool import KVPool
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.resolve import resolve_model
@@ -87,33 +92,77 @@ def model_path(args: argparse.Namespace) -> Path:
     return resolve_model(args.model)
 
 
-def checked_model_path(args: argparse.Namespace) -> Path:
+def checked_model_path(
+    args: argparse.Namespace, source: str | None = None, chat_encoder: str | None = None
+) -> Path:
     """The model's directory, checked as far as it can be without loading it.
 
     Runs before the port is bound: a Hugging Face id is resolved (downloaded if
     need be) and a model that cannot load (no such name, a missing file, an
-    unsupported family) raises ModelLoadError with the reason.
+    unsupported family) raises ModelLoadError with the reason. `source` is one
+    of several models' PATH_OR_ID (else the positional MODEL, or --demo).
     """
     from mlxserve.models.load import check_model_dir
 
-    path = model_path(args)
-    check_model_dir(path, args.chat_encoder)
+    path = model_path(args) if source is None else resolve_model(source)
+    check_model_dir(path, chat_encoder or args.chat_encoder)
     return path
+
+
+Loader = Callable[[], LoadedModel]
 
 
 def build_app(
     args: argparse.Namespace,
-    loader: Callable[[], LoadedModel] | None = None,
+    loader: Loader | None = None,
+    loaders: Mapping[str, Loader] | None = None,
     group: PlanGroup | None = None,
-) -> tuple[FastAPI, ServerState]:
-    """The app for these CLI arguments (`loader` overrides loading from disk, for tests).
+) -> tuple[FastAPI, ServedModels]:
+    """The app for these CLI arguments. `loader` (one model) or `loaders` (by model name)
+    override loading from disk, for tests. `group`: rank 0 of a distributed run
+    (`--distributed`), which loads its shard and sends each step's plan to the others."""
+    specs, default = model_specs(args)
+    several = len(specs) > 1
+    if several and group is not None:
+        raise ValueError("--distributed serves one model; several models are not supported")
+    pool = KVPool(args.kv_memory_bytes) if several else None
+    metrics = Metrics()
+    states = []
+    for spec in specs:
+        chosen = loader if not several else (loaders or {}).get(spec.name)
+        states.append(_model_state(args, spec, several, chosen, pool, metrics, group))
+    served = ServedModels(
+        tuple(states),
+        metrics,
+        default_name=default,
+        strict=bool(getattr(args, "strict_model_name", False)),
+    )
+    return create_app(served), served
 
-    `group`: rank 0 of a distributed run (`--distributed`), which loads its shard
-    and sends each step's plan to the other ranks."""
+
+def _model_state(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    several: bool,
+    loader: Loader | None,
+    pool: KVPool | None,
+    metrics: Metrics,
+    group: PlanGroup | None = None,
+) -> ServerState:
+    """One served model: its engine (with its own owner thread), settings and names."""
     from mlxserve.engine.async_engine import AsyncEngine
 
     ecfg = engine_config(args)
+    if several and ecfg.prefix_cache_dir is not None:
+        # Each model keeps its own disk tier (a tier removes another model's files).
+        ecfg = replace(ecfg, prefix_cache_dir=str(Path(ecfg.prefix_cache_dir) / _dir_name(spec)))
     scfg = server_config(args)
+    overrides = {
+        key: value
+        for key in ("tool_call_parser", "reasoning_parser", "chat_encoder")
+        if (value := getattr(spec, key)) is not None
+    }
+    scfg = replace(scfg, served_model_name=spec.name, **overrides)
     progress = LoadProgress(bar=None if loader is None else False)
     publisher = None
     if group is not None:
@@ -123,28 +172,28 @@ def build_app(
     if loader is None:
         from mlxserve.models import load
 
-        path = checked_model_path(args)
         encoder = scfg.chat_encoder
+        path = checked_model_path(args, spec.source if several else None, encoder)
         sharding = sharding_for(args, group)
 
-        def loader() -> LoadedModel:
+        def load_from_disk() -> LoadedModel:
             return load(path, chat_encoder=encoder, progress=progress, shard=sharding)
 
-        default_name = "mlxserve-demo" if args.demo else str(args.model)
-    else:
-        default_name = str(args.model or "mlxserve")
-    engine = AsyncEngine(ecfg, loader, publisher=publisher)
-    names = tuple(args.served_model_name or (default_name,))
-    state = ServerState(
+        loader = load_from_disk
+    engine = AsyncEngine(ecfg, loader, pool=pool, member=spec.name, publisher=publisher)
+    return ServerState(
         engine=engine,
         config=scfg,
-        model_name=names[0],
+        model_name=spec.name,
         max_model_len=ecfg.max_model_len,
-        aliases=names,
-        strict_model_name=bool(getattr(args, "strict_model_name", False)),
+        metrics=metrics.for_model(spec.name),
+        aliases=spec.names,
         load_progress=progress,
     )
-    return create_app(state), state
+
+
+def _dir_name(spec: ModelSpec) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)
 
 
 def sharding_for(args: argparse.Namespace, group: PlanGroup | None) -> Sharding | None:
@@ -176,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         return run_follower(args, group, engine_config(args), sharding_for(args, group))
     try:
         check_versions()
-        app, state = build_app(args, group=group)
+        app, served = build_app(args, group=group)
     except (ValueError, RuntimeError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
@@ -184,9 +233,10 @@ def run(args: argparse.Namespace) -> int:
         logger.warning(
             "listening on %s without --api-key: anyone on the network can use it", args.host
         )
-    logger.info("serving %r on http://%s:%d/v1", state.model_name, args.host, args.port)
-    status = serve_app(app, state, args.host, args.port, str(args.log_level).lower())
-    if state.engine.stats().get("stalled") or group is not None:
+    names = ", ".join(repr(s.model_name) for s in served.models)
+    logger.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
+    status = serve_app(app, served, args.host, args.port, str(args.log_level).lower())
+    if any(s.engine.stats().get("stalled") for s in served.models) or group is not None:
         # (Distributed: the other ranks may be gone, and tearing the group down
         # at interpreter exit could wait on them.)
         # The engine thread is stuck inside MLX: interpreter shutdown could wait on it or
@@ -196,9 +246,9 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level: str) -> int:
-    """Run uvicorn until it stops; 1 if the model failed to load (that ends the server at
-    once: it could never answer) or the engine thread died (with `--exit-on-engine-failure`
+def serve_app(app: FastAPI, served: ServedModels, host: str, port: int, log_level: str) -> int:
+    """Run uvicorn until it stops; 1 if a model failed to load (that ends the server at
+    once: it could never answer) or an engine thread died (with `--exit-on-engine-failure`
     that ends it at once too, for a supervisor)."""
     import uvicorn
 
@@ -208,7 +258,7 @@ def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level:
     server = uvicorn.Server(config)
 
     def on_engine_failure(reason: str) -> None:
-        if state.config.exit_on_engine_failure:
+        if served.config.exit_on_engine_failure:
             logger.critical("exiting: the engine failed (%s)", reason)
             server.should_exit = True
 
@@ -216,8 +266,10 @@ def serve_app(app: FastAPI, state: ServerState, host: str, port: int, log_level:
         logger.critical("exiting: the model failed to load (%s)", reason)
         server.should_exit = True
 
-    state.on_engine_failure = on_engine_failure
-    state.on_load_failure = on_load_failure
+    for state in served.models:
+        state.on_engine_failure = on_engine_failure
+        state.on_load_failure = on_load_failure
     server.run()
-    failed = state.engine.failure is not None or state.engine.load_error is not None
+    engines = [s.engine for s in served.models]
+    failed = any(e.failure is not None or e.load_error is not None for e in engines)
     return 1 if failed else 0

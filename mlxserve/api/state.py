@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypeVar
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import Sampling
-from mlxserve.api.metrics import Metrics
+from mlxserve.api.metrics import Metrics, ModelMetrics
 from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
@@ -73,17 +73,17 @@ class EngineLike(Protocol):
 
 @dataclass
 class ServerState:
+    """One served model: its engine, names, parsers, limits and metrics."""
+
     engine: EngineLike
     config: ServerConfig
     model_name: str
     max_model_len: int | None = None
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: ModelMetrics = field(default=None)  # type: ignore[assignment]
     # Called with (request_id, prompt_ids) for every submitted request (tests, tracing).
     on_submit: Callable[[str, list[int]], None] | None = None
     # Every name the model answers to (--served-model-name A B ...); model_name is the first.
     aliases: tuple[str, ...] = ()
-    # --strict-model-name: a request naming another model is a 404.
-    strict_model_name: bool = False
     # How far the model load has got (/health reports it while loading).
     load_progress: LoadProgress | None = None
     # Called once with the reason when the engine thread dies (`serve` ends the process).
@@ -92,7 +92,10 @@ class ServerState:
     on_load_failure: Callable[[str], None] | None = None
     _parsers: ParserSpec | None = None
     _context_limit: int | None = None
-    _names_seen: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = Metrics().for_model(self.model_name)
 
     def require_model(self) -> LoadedModel:
         """The loaded model, or 503 while it loads (or failed to load, or the engine died)."""
@@ -111,33 +114,8 @@ class ServerState:
 
     @property
     def served_names(self) -> tuple[str, ...]:
-        """The names /v1/models lists: the served name first, then the other aliases."""
+        """The names this model answers to: the served name first, then the other aliases."""
         return (self.model_name, *(a for a in self.aliases if a != self.model_name))
-
-    def check_model_name(self, name: str | None) -> None:
-        """Accept any name (one model is served), or 404 an unknown one when strict.
-
-        Agent clients send their own model ids; each unexpected name is logged
-        once. Responses always carry `model_name`.
-        """
-        if name is None or name == "" or name in self.served_names:
-            return
-        if self.strict_model_name:
-            raise APIError(
-                404,
-                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-        if name not in self._names_seen and len(self._names_seen) < 64:
-            # Each new name once (a bounded set: clients could send endless names).
-            self._names_seen.add(name)
-            logger.info(
-                "a request names the model %r; serving %r (--strict-model-name refuses "
-                "other names)",
-                name,
-                self.model_name,
-            )
 
     def parsers(self, model: LoadedModel) -> ParserSpec:
         if self._parsers is None:
@@ -263,29 +241,32 @@ class ServerState:
             raise APIError(400, str(e), param="messages") from e
         owner = _OWNER.get()
         if owner is not None:
-            owner.append(request_id)
+            owner.append((self.engine, request_id))
         if self.on_submit is not None:
             self.on_submit(request_id, list(prompt_ids))
         return events
 
-    @contextmanager
-    def owning_requests(self) -> Iterator[list[str]]:
-        """Own what `submit` starts inside this block: if the block raises (before its
-        response has taken the request over), those engine requests are aborted."""
-        owned: list[str] = []
-        token = _OWNER.set(owned)
-        try:
-            yield owned
-        except BaseException:
-            for request_id in owned:
-                self.engine.abort(request_id)
-            raise
-        finally:
-            _OWNER.reset(token)
+
+@contextmanager
+def owning_requests() -> Iterator[list[tuple[EngineLike, str]]]:
+    """Own what `ServerState.submit` starts inside this block: if the block raises (before
+    its response has taken the request over), those engine requests are aborted."""
+    owned: list[tuple[EngineLike, str]] = []
+    token = _OWNER.set(owned)
+    try:
+        yield owned
+    except BaseException:
+        for engine, request_id in owned:
+            engine.abort(request_id)
+        raise
+    finally:
+        _OWNER.reset(token)
 
 
-# The request ids submitted while building the current HTTP request's response.
-_OWNER: ContextVar[list[str] | None] = ContextVar("mlxserve_request_owner", default=None)
+# The (engine, request id) pairs submitted while building the current HTTP request's response.
+_OWNER: ContextVar[list[tuple[EngineLike, str]] | None] = ContextVar(
+    "mlxserve_request_owner", default=None
+)
 
 
 def model_context_length(config: dict[str, Any], tokenizer: Any = None) -> tuple[str, int] | None:

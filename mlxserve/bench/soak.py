@@ -252,7 +252,7 @@ def _cache_stats(url: str) -> dict[str, Any]:
     stats: dict[str, Any] = httpx.get(url + "/v1/cache/stats", timeout=30).json()
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         for name in ("mlx_active_bytes", "mlx_cache_bytes"):
-            if line.startswith(f"mlxserve_{name} "):
+            if line.startswith(f"mlxserve_{name}{{"):
                 stats[name] = float(line.split()[1])
     return stats
 

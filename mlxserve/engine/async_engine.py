@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.kv_pool import KVPool
 from mlxserve.engine.request import (
     EngineNotReady,
     EngineOverloaded,
@@ -48,6 +49,8 @@ class AsyncEngine:
         config: EngineConfig,
         loader: Callable[[], LoadedModel],
         fault: FaultHook | None = None,
+        pool: KVPool | None = None,
+        member: str = "",
         publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
@@ -57,6 +60,8 @@ class AsyncEngine:
             self._emit_from_engine,
             fault=fault,
             on_death=self._engine_died,
+            pool=pool,
+            member=member,
             publisher=publisher,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -260,6 +265,7 @@ class AsyncEngine:
             "waiting": self._num_waiting(),
             "steps": core.steps,
             "kv_budget_bytes": memory.budget_bytes if memory else None,
+            "kv_pool": memory.pool.stats() if memory and memory.pool else None,
             "cache_bytes": core.cache_bytes,
             "peak_cache_bytes": core.peak_cache_bytes,
             "kv_cache_bytes": core.kv_bytes,
@@ -271,7 +277,7 @@ class AsyncEngine:
             speculator = scheduler.speculator
             stats["speculative"] = speculator.stats() if speculator is not None else None
         prefix_cache = self._core.prefix_cache
-        stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache else None
+        stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache is not None else None
         disk = self._core.disk
         stats["prefix_cache_disk"] = asdict(disk.stats()) if disk is not None else None
         return stats

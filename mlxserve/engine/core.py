@@ -28,6 +28,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.kv_pool import KVPool
 from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
 from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
@@ -88,12 +89,17 @@ class EngineCore:
         emit: EmitFn,
         fault: FaultHook | None = None,
         on_death: Callable[[str], None] | None = None,
+        pool: KVPool | None = None,
+        member: str = "",
         publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
         # Distributed serving: each step's plan goes to the other ranks first.
         self.publisher = publisher
         self._loader = loader
+        # The KV byte budget shared with the other models' engines (several models served).
+        self._pool = pool
+        self._member = member
         self._emit = emit
         self._fault = fault
         self._on_death = on_death
@@ -288,6 +294,19 @@ class EngineCore:
             ) from e
         finally:
             mx.clear_cache()
+        pool = self._pool
+        if pool is not None:
+            weights = weights_nbytes(getattr(model.model, "module", model.model))
+            pool.join(self._member, weights, lambda: self._inbox.put(_Wake()))
+            logger.info(
+                "model %r shares a KV memory budget of %d bytes; its cache costs "
+                "%d + %.0f bytes per token",
+                self._member,
+                pool.total_bytes,
+                cost.fixed_bytes,
+                cost.bytes_per_token,
+            )
+            return KVBudget(pool.total_bytes, cost, runner.batchable, pool, self._member)
         budget = self.config.kv_memory_bytes
         source = "--kv-memory-bytes"
         if budget is None:
@@ -414,6 +433,8 @@ class EngineCore:
             return
         self.cache_bytes = held
         self.peak_cache_bytes = max(self.peak_cache_bytes, held)
+        if self._pool is not None:
+            self._pool.measured(self._member, held)
         # What MLX's allocator holds: arrays alive, and freed buffers kept for reuse.
         self.mlx_active_bytes = int(mx.get_active_memory())
         self.mlx_cache_bytes = int(mx.get_cache_memory())

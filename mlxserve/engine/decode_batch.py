@@ -13,7 +13,7 @@ from typing import Any
 
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-from mlxserve.engine.sampling import PendingSample
+from mlxserve.engine.sampling import PendingLogits, PendingSample
 
 # mlx-lm cache classes with a batched form of their own.
 _LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
@@ -41,13 +41,14 @@ def _merge_layer(layer: Any) -> Any:
 class DecodeBatch:
     """Requests decoding together over one batched cache (row i = request_ids[i]).
 
-    `ahead`: the next step's tokens, already fed to the cache and being drawn
-    (see `Runner._decode_group`); rows leaving the batch leave it too.
+    `ahead`: the next step, already fed to the cache: its tokens being drawn, or
+    only its logits when its rows draw after reading this step's tokens (see
+    `Runner._decode_group`); rows leaving the batch leave it too.
     """
 
     request_ids: list[str] = field(default_factory=list)
     cache: list[Any] = field(default_factory=list)
-    ahead: PendingSample | None = None
+    ahead: PendingSample | PendingLogits | None = None
 
     def add(self, request_id: str, cache: list[Any]) -> None:
         if self.ahead is not None:
@@ -61,7 +62,7 @@ class DecodeBatch:
                 mine.extend(theirs)
         self.request_ids.append(request_id)
 
-    def take_ahead(self, request_ids: list[str]) -> PendingSample | None:
+    def take_ahead(self, request_ids: list[str]) -> PendingSample | PendingLogits | None:
         """The step already in flight, if any, for exactly these rows."""
         ahead, self.ahead = self.ahead, None
         if ahead is not None and request_ids != self.request_ids:

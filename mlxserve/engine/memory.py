@@ -26,11 +26,14 @@ import math
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
 from mlxserve.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from mlxserve.engine.kv_pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +172,45 @@ def default_kv_budget(weights_bytes: int, device_bytes: int | None = None) -> in
 
 @dataclass(frozen=True)
 class KVBudget:
-    """The engine's byte budget and what one request's cache costs on this model."""
+    """The engine's byte budget and what one request's cache costs on this model.
+
+    With a `pool` (several models in one server) the budget is the pool's,
+    shared with the other engines; `member` names this engine in it.
+    """
 
     budget_bytes: int
     cost: CacheCost
     batched: bool
+    pool: KVPool | None = None
+    member: str = ""
 
     def total(self, lengths: Sequence[int]) -> int:
         return self.cost.total(lengths, self.batched)
+
+    @property
+    def whole_bytes(self) -> int:
+        """The whole budget (the shared pool's, with several models)."""
+        return self.budget_bytes if self.pool is None else self.pool.total_bytes
+
+    def room(self) -> int:
+        """Bytes this engine's caches may take: the budget less other models' holdings."""
+        return self.budget_bytes if self.pool is None else self.pool.room(self.member)
+
+    def prefix_room(self) -> int:
+        """`room`, less what other models wait for: a prefix cache gives way first."""
+        return self.budget_bytes if self.pool is None else self.pool.prefix_room(self.member)
+
+    def claim(self, nbytes: int) -> bool:
+        """Whether caches of `nbytes` fit (in a shared pool, taken from it at once)."""
+        if self.pool is None:
+            return nbytes <= self.budget_bytes
+        return self.pool.claim(self.member, nbytes)
+
+    def publish(self, held: int, waiting_for: int) -> None:
+        """Tell a shared pool what this engine holds, and what its head waits for (0: none)."""
+        if self.pool is not None:
+            self.pool.hold(self.member, held)
+            self.pool.want(self.member, waiting_for)
 
 
 # Tokens the memory probe decodes after each prefill (caches allocate on the first decodes).

@@ -54,6 +54,7 @@ from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
 from mlxserve.engine.rollback import CutBack, verify_rows_limit
 from mlxserve.engine.sampling import (
+    PendingLogits,
     PendingSample,
     SampledRow,
     SamplerState,
@@ -391,7 +392,8 @@ class Runner:
         """
         if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
             return False
-        return not plan.drafts and self._pipelinable(plan.decodes)
+        # Rows that draw only after reading their tokens still run their forward ahead.
+        return not plan.drafts
 
     def _can_overlap(self, plan: StepPlan) -> bool:
         """Whether this step's decode tokens may be read after a chunk's graph is built."""
@@ -501,6 +503,9 @@ class Runner:
             started = time.perf_counter()
             self._check(faults.FORWARD, request_ids)
             pending = self.batch.take_ahead(request_ids) if self.batchable else None
+            if isinstance(pending, PendingLogits):
+                # Last step's tokens are read now (the masks and penalties know them).
+                pending = self._draw(pending.logits, requests)
             if pending is None:
                 inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
                 logits = self.model.model.last_logits(inputs, cache)
@@ -575,10 +580,16 @@ class Runner:
 
     def _step_ahead(
         self, pending: PendingSample, requests: list[Request], cache: list[Any]
-    ) -> PendingSample:
-        """Feed the tokens being drawn as the next step's inputs and start that step."""
+    ) -> PendingSample | PendingLogits:
+        """Feed the tokens being drawn as the next step's inputs and start that step:
+        its draw too where no row's sampling needs the tokens read first."""
         inputs = pending.tokens.astype(mx.int32)[:, None]
-        following = self._draw(self.model.model.last_logits(inputs, cache), requests)
+        logits = self.model.model.last_logits(inputs, cache)
+        following: PendingSample | PendingLogits
+        if self._pipelinable(requests):
+            following = self._draw(logits, requests)
+        else:
+            following = PendingLogits(logits)
         following.start()
         return following
 

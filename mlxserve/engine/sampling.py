@@ -126,8 +126,24 @@ def unconstrained_greedy(params: SamplingParams, state: SamplerState) -> bool:
 
 def pipelinable(params: SamplingParams, state: SamplerState) -> bool:
     """Whether this row's next token can be drawn before its current one is read:
-    nothing it samples with depends on the host knowing the tokens so far."""
-    return not state.constrained and not params.needs_history
+    nothing it samples with depends on the host knowing the tokens so far. A row
+    with a grammar, even one that starts only after reasoning ends, needs them."""
+    return state.constraint is None and not params.needs_history
+
+
+@dataclass
+class PendingLogits:
+    """A decode step's forward, started before the tokens it is fed were read; its own
+    tokens are drawn only once they are (`sample_lazy` then), for rows whose sampling
+    needs them: a grammar's next mask, penalties over the output so far."""
+
+    logits: mx.array
+
+    def start(self) -> None:
+        mx.async_eval(self.logits)
+
+    def rows(self, keep: list[int]) -> PendingLogits:
+        return PendingLogits(self.logits[mx.array(keep, dtype=mx.int32)])
 
 
 @dataclass

@@ -88,6 +88,9 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.memory = memory
         self._prefix_cache_max = prefix_cache.max_bytes if prefix_cache is not None else 0
+        # Bytes the waiting head needs that only other models sharing the KV pool can
+        # free (0: none); the engine idles meanwhile, until the pool wakes it.
+        self._waiting_for = 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.by_id: dict[str, Request] = {}
@@ -176,6 +179,7 @@ class Scheduler:
             self._admit_waiting()
         self._plan_prefills(plan)
         self._fit_prefix_cache([])
+        self._publish_holding()
         return plan
 
     def _plan_restores(self, plan: StepPlan) -> None:
@@ -332,10 +336,12 @@ class Scheduler:
         memory = self.memory
         if memory is None:
             return
-        while self.running and memory.total(self._lengths(False)) > memory.budget_bytes:
-            if len(self.running) == 1:
+        while self.running and memory.total(self._lengths(False)) > memory.room():
+            alone = memory.total(self._lengths(False)) > memory.whole_bytes
+            if len(self.running) == 1 and (memory.pool is None or alone):
                 self.fail(self.running[0].request_id, self._no_room_message())
                 return
+            # In a shared pool a lone request waits for the other models' caches to shrink.
             self._preempt(max(self.running, key=lambda r: r.arrival_time), plan)
 
     def _preempt(self, request: Request, plan: StepPlan) -> None:
@@ -362,24 +368,36 @@ class Scheduler:
         if memory is None:
             return True
         lengths = [*self._lengths(True), request.num_fill + self._reserve(request)]
-        return memory.total(lengths) <= memory.budget_bytes
+        return memory.claim(memory.total(lengths))
 
     def _fit_prefix_cache(self, extra: list[int]) -> None:
-        """Evict prefix-cache entries until it fits beside the running caches."""
+        """Evict prefix-cache entries until it fits beside the running caches (and gives
+        way to what another model waits for)."""
         memory, cache = self.memory, self.prefix_cache
         if memory is None or cache is None:
             return
-        room = memory.budget_bytes - memory.total([*self._lengths(False), *extra])
+        room = memory.prefix_room() - memory.total([*self._lengths(False), *extra])
         cache.set_limit(max(0, min(self._prefix_cache_max, room)))
+
+    def _publish_holding(self) -> None:
+        """Tell a shared KV pool what this engine holds after planning the step."""
+        memory = self.memory
+        if memory is None or memory.pool is None:
+            return
+        held = memory.total(self._lengths(False))
+        if self.prefix_cache is not None:
+            held += self.prefix_cache.nbytes
+        memory.publish(held, self._waiting_for)
 
     def _no_room_message(self) -> str:
         assert self.memory is not None
         return (
             "the request's KV cache does not fit in the memory budget "
-            f"(--kv-memory-bytes {self.memory.budget_bytes})"
+            f"(--kv-memory-bytes {self.memory.whole_bytes})"
         )
 
     def _admit_waiting(self) -> None:
+        self._waiting_for = 0
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             head = self.waiting[0]
             if self.restorer is not None and self.restorer.start(head):
@@ -389,9 +407,14 @@ class Scheduler:
                 if self.running:
                     return  # it waits until running requests free memory
                 assert self.memory is not None
-                if self.memory.total([head.num_fill + 1]) > self.memory.budget_bytes:
+                need = self.memory.total([head.num_fill + 1])
+                if need > self.memory.whole_bytes:
                     self.fail(head.request_id, self._no_room_message())
                     continue
+                if not self.memory.claim(need):
+                    # Other models sharing the pool hold the room: idle until it frees.
+                    self._waiting_for = need
+                    return
             self.waiting.popleft()
             self._fit_prefix_cache([head.num_fill])
             try:
@@ -564,7 +587,9 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether a step would do anything now (else the engine waits for a command)."""
-        if self.running or self.waiting or self.has_released:
+        if self.running or self.has_released:
+            return True
+        if self.waiting and not self._waiting_for:
             return True
         return self.restorer is not None and self.restorer.has_work
 

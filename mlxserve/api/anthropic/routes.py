@@ -16,17 +16,17 @@ from fastapi.responses import JSONResponse, Response
 from mlxserve.api.anthropic.convert import prompt_request, show_thinking, to_generation
 from mlxserve.api.anthropic.events import MessageEvents, MessageMeta
 from mlxserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from mlxserve.api.models import ServedModels
 from mlxserve.api.run import accept, new_meta, render_chat, start_chat
-from mlxserve.api.state import ServerState
 from mlxserve.api.writer import respond
 
 # Anthropic message ids: `msg_` and 24 hex digits.
 ID_HEX = 24
 
 
-async def messages(state: ServerState, request: Request) -> Response:
+async def messages(server: ServedModels, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, MessagesRequest)
+    req, state, model = await accept(server, request, MessagesRequest)
     gen = to_generation(req)
     meta = new_meta(state, "msg_", "messages", ID_HEX)
     _, run = await start_chat(state, model, gen, meta, arrival)
@@ -34,7 +34,7 @@ async def messages(state: ServerState, request: Request) -> Response:
     return await respond(request, run, writer, gen.stream)
 
 
-async def count_tokens(state: ServerState, request: Request) -> Response:
-    req, model = await accept(state, request, CountTokensRequest)
+async def count_tokens(server: ServedModels, request: Request) -> Response:
+    req, state, model = await accept(server, request, CountTokensRequest)
     prompt = await render_chat(model, prompt_request(req))
     return JSONResponse({"input_tokens": len(prompt.token_ids)})

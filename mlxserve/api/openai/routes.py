@@ -13,11 +13,11 @@ import time
 from fastapi import Request
 from fastapi.responses import Response
 
+from mlxserve.api.models import ServedModels
 from mlxserve.api.openai.convert import chat_generation, completion_ids, completion_sampling
 from mlxserve.api.openai.events import ChunkWriter, ResponseMeta
 from mlxserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from mlxserve.api.run import RunMeta, accept, new_meta, start_chat, start_run
-from mlxserve.api.state import ServerState
 from mlxserve.api.writer import respond
 
 
@@ -26,18 +26,18 @@ def _writer(meta: RunMeta, req: ChatCompletionRequest | CompletionRequest) -> Ch
     return ChunkWriter(ResponseMeta(meta.id, meta.model, meta.created, meta.kind, include_usage))
 
 
-async def chat_completions(state: ServerState, request: Request) -> Response:
+async def chat_completions(server: ServedModels, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, ChatCompletionRequest)
+    req, state, model = await accept(server, request, ChatCompletionRequest)
     gen = chat_generation(req)
     meta = new_meta(state, "chatcmpl-", "chat")
     _, run = await start_chat(state, model, gen, meta, arrival)
     return await respond(request, run, _writer(meta, req), gen.stream)
 
 
-async def completions(state: ServerState, request: Request) -> Response:
+async def completions(server: ServedModels, request: Request) -> Response:
     arrival = time.monotonic()
-    req, model = await accept(state, request, CompletionRequest)
+    req, state, model = await accept(server, request, CompletionRequest)
     ids = await asyncio.to_thread(completion_ids, model, req)
     meta = new_meta(state, "cmpl-", "text")
     sampling = completion_sampling(req)

@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from mlxserve.api.errors import APIError
+from mlxserve.api.models import ServedModels
 from mlxserve.api.responses.convert import ResponsesTurn, echo_settings, to_turn
 from mlxserve.api.responses.events import ResponseEvents, ResponseShell, new_item_id
 from mlxserve.api.responses.protocol import ResponsesRequest
@@ -59,9 +60,9 @@ class ResponsesAPI:
     def __init__(self, store: ResponseStore) -> None:
         self.store = store
 
-    async def create(self, state: ServerState, request: Request) -> Response:
+    async def create(self, server: ServedModels, request: Request) -> Response:
         arrival = time.monotonic()
-        req, model = await accept(state, request, ResponsesRequest)
+        req, state, model = await accept(server, request, ResponsesRequest)
         history: tuple[Mapping[str, Any], ...] = ()
         if req.previous_response_id is not None:
             history = self.store.previous(req.previous_response_id).items

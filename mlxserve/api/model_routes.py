@@ -1,0 +1,117 @@
+"""The routes about the served models: `/v1/models`, `/health`, `/v1/cache/stats`, `/metrics`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from mlxserve.api.errors import APIError, check_api_key
+from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from mlxserve.api.models import ServedModels
+from mlxserve.api.state import ServerState
+
+# /health's status words, best first: several models answer with the worst.
+_HEALTH_ORDER = ("ok", "loading", "error")
+
+
+def model_health(state: ServerState) -> dict[str, Any]:
+    """One model's /health body: ok, loading (with progress) or error (with the reason)."""
+    engine = state.engine
+    if engine.failure is not None:
+        return {"status": "error", "error": f"the engine failed: {engine.failure}"}
+    if engine.load_error is not None:
+        return {"status": "error", "error": engine.load_error}
+    if not engine.ready:
+        body: dict[str, Any] = {"status": "loading"}
+        progress = state.load_progress
+        if progress is not None and progress.stage != "starting":
+            body["progress"] = round(progress.fraction, 3)
+            body["stage"] = progress.stage
+        return body
+    return {"status": "ok"}
+
+
+def server_health(server: ServedModels) -> tuple[int, dict[str, Any]]:
+    """The status code and body of /health: 200 only when every model is ready."""
+    bodies = {state.model_name: model_health(state) for state in server.models}
+    if len(bodies) == 1:
+        body = next(iter(bodies.values()))
+    else:
+        worst = max((b["status"] for b in bodies.values()), key=_HEALTH_ORDER.index)
+        body = {"status": worst, "models": bodies}
+        errors = [f"{name}: {b['error']}" for name, b in bodies.items() if "error" in b]
+        if errors:
+            body["error"] = "; ".join(errors)
+    return (200 if body["status"] == "ok" else 503), body
+
+
+def cache_stats(state: ServerState) -> dict[str, Any]:
+    stats = state.engine.stats()
+    cache = dict(stats.get("prefix_cache") or {})
+    cache["enabled"] = bool(stats.get("prefix_cache"))
+    cache["disk"] = stats.get("prefix_cache_disk")
+    return cache
+
+
+def add_model_routes(app: FastAPI, server: ServedModels) -> None:
+    created = int(time.time())
+    api_key = server.config.api_key
+
+    def model_cards() -> dict[str, dict[str, Any]]:
+        cards: dict[str, dict[str, Any]] = {}
+        for state in server.models:
+            limit = state.context_limit(state.engine.model) if state.engine.ready else None
+            for name in state.served_names:
+                card: dict[str, Any] = {
+                    "id": name,
+                    "object": "model",
+                    "created": created,
+                    "owned_by": "mlxserve",
+                    "root": state.model_name,
+                }
+                if limit is not None:
+                    card["max_model_len"] = limit
+                cards[name] = card
+        return cards
+
+    @app.get("/v1/models")
+    async def _models(request: Request) -> dict[str, Any]:
+        check_api_key(request, api_key)
+        return {"object": "list", "data": list(model_cards().values())}
+
+    # Served names may hold slashes (`org/model`), as hub ids do.
+    @app.get("/v1/models/{model_id:path}")
+    async def _model(request: Request, model_id: str) -> dict[str, Any]:
+        check_api_key(request, api_key)
+        card = model_cards().get(model_id)
+        if card is None:
+            message = f"The model '{model_id}' does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
+        return card
+
+    @app.get("/health")
+    async def _health() -> JSONResponse:
+        status, body = server_health(server)
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/v1/cache/stats")
+    async def _cache_stats(request: Request) -> dict[str, Any]:
+        """The default model's prefix-cache figures, and each model's under `models`."""
+        check_api_key(request, api_key)
+        default = server.default
+        body = cache_stats(default)
+        body["model"] = default.model_name
+        body["models"] = {s.model_name: cache_stats(s) for s in server.models}
+        pool = default.engine.stats().get("kv_pool")
+        if pool is not None:
+            body["kv_pool"] = pool
+        return body
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        models = [(s.model_name, s.engine.stats(), s.engine.ready) for s in server.models]
+        text = server.metrics.render(models)
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
