@@ -14,8 +14,9 @@ import os
 import time
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.distributed import Follower, PeerLost, PlanGroup, shared_budget
+from mlxserve.engine.distributed import Follower, PeerLost, PlanDesync, PlanGroup, shared_budget
 from mlxserve.engine.memory import default_kv_budget, weights_nbytes
+from mlxserve.engine.plan_codec import PlanDecodeError
 from mlxserve.models.loaded import ModelLoadError
 from mlxserve.models.shard import Sharding
 
@@ -62,4 +63,9 @@ def _serve(
         return follower.serve()
     except PeerLost as e:
         logger.critical("exiting: %s", e)
+        return 1
+    except (PlanDesync, PlanDecodeError, KeyError) as e:  # KeyError: an unknown handle
+        # This rank no longer holds what rank 0 thinks it does: its forwards would
+        # be wrong, so it leaves, and rank 0's next collective fails (engine death).
+        logger.critical("exiting: out of step with rank 0: %s", e)
         return 1
