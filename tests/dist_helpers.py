@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 from api_fixtures import free_port
 
+from mlxserve.bench.distributed import free_port_pair
+
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 # Stream chunks a client reads before it goes away (abort / disconnect cases).
 READ_BEFORE_LEAVING = 3
@@ -39,7 +41,7 @@ class LaunchedServer:
 
     def __init__(self, model: Path, mode: str, *extra: str, log: Path) -> None:
         self.port = free_port()
-        ring_port = free_port()
+        ring_port = free_port_pair()
         self.argv = [
             LAUNCH,
             "--backend",

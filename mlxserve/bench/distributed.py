@@ -149,10 +149,20 @@ async def _measure_published(engine: Any, publisher: Any, args: argparse.Namespa
     return figures
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port_pair() -> int:
+    """A port P with P + 1 free too: the ring backend's ranks listen on P, P + 1, ..."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as first:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            if port >= 65535:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
 
 
 def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -167,7 +177,7 @@ def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[d
         "--hosts",
         "127.0.0.1",
         "--starting-port",
-        str(_free_port()),
+        str(free_port_pair()),
         "--",
         sys.executable,
         "-m",
