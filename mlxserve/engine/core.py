@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.distributed import PeerLost
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.kv_pool import KVPool
@@ -201,6 +202,9 @@ class EngineCore:
                 self.failure = "another rank was lost"
         except EngineStalled as e:  # the watchdog has reported it already
             reason = str(e)
+        except PeerLost as e:  # another rank is gone: not a bug here, no traceback
+            reason = str(e)
+            logger.critical("the engine stopped: %s", reason)
         except BaseException as e:  # any end but a stop is reported (below)
             reason = _describe(e)
             logger.critical("the engine thread died: %s", reason, exc_info=True)
