@@ -40,9 +40,12 @@ def _serve(
 ) -> int:
     from mlxserve.api.serve import checked_model_path
     from mlxserve.models import load
+    from mlxserve.versions import check_versions
 
     started = time.monotonic()
     try:
+        # Every rank runs the same forwards: each must have the pinned libraries.
+        check_versions()
         path = checked_model_path(args)
         logger.info("loading this rank's shard of %s", path)
         model = load(path, chat_encoder=args.chat_encoder, shard=sharding, with_tokenizer=False)
