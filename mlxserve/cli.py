@@ -229,6 +229,13 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--hidden", type=int, default=None)
     p.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        choices=[0, 1],
+        help="deepseek_v4: add the checkpoint's MTP layer (mtp.* weights) for --speculative mtp",
+    )
+    p.add_argument(
         "--script",
         action="append",
         default=None,
@@ -307,8 +314,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
 
-    p = bsub.add_parser("speculative", help="prompt-lookup drafts: a copy-heavy reply and noise")
+    p = bsub.add_parser(
+        "speculative", help="prompt-lookup drafts (a copy-heavy reply and noise) and MTP drafts"
+    )
     p.add_argument("--model", default=None, help="model dir (default: tiny Qwen3, 4-bit)")
+    p.add_argument(
+        "--mtp-model",
+        default=None,
+        help="DeepSeek-V4 dir with an MTP head (default: tiny random-weight one)",
+    )
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--file-tokens", type=int, default=400, help="the file the reply re-emits")
     p.add_argument("--rounds", type=int, default=3)

@@ -78,3 +78,37 @@ def test_drafted_reply_streams_the_same_answer() -> None:
         if line.startswith("mlxserve_spec_accepted_tokens_total{")
     ]
     assert accepted and accepted[0] > 0
+
+
+def _chat(srv: ServerThread) -> str:
+    client = openai.OpenAI(base_url=srv.base_url, api_key="x", max_retries=0, timeout=60)
+    stream = client.chat.completions.create(
+        model="test-model",
+        messages=[{"role": "user", "content": "Write something long."}],
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+    )
+    text = ""
+    for chunk in stream:
+        if chunk.choices:  # the tiny model's noise may land in reasoning or content
+            delta = chunk.choices[0].delta
+            text += (getattr(delta, "reasoning_content", None) or "") + (delta.content or "")
+    return text
+
+
+def test_mtp_drafted_reply_streams_the_same_text(tmp_path: Path) -> None:
+    """`serve --speculative mtp` on a DeepSeek-V4 checkpoint with its MTP layer."""
+    from api_fixtures import serve_args
+
+    from mlxserve.models.load import load
+    from mlxserve.models.synthetic import make_model
+
+    path = make_model(tmp_path / "v4-mtp", "deepseek_v4", mtp_layers=1)
+    with ServerThread(serve_args(), lambda: load(path)) as plain:
+        expected = _chat(plain)
+    with ServerThread(serve_args("--speculative", "mtp"), lambda: load(path)) as drafted:
+        got = _chat(drafted)
+        metrics = httpx.get(drafted.url + "/metrics", timeout=10).text
+    assert got == expected and expected
+    assert 'mlxserve_spec_draft_tokens_total{drafter="mtp",model_name="test-model"}' in metrics

@@ -81,6 +81,9 @@ def test_bench_speculative_reports_its_keys(tmp_path: Path, model_dir_factory) -
     # The reply re-emits the prompt's file: drafts are kept, several tokens per forward.
     assert figures["acceptance_copy"] > 0.5
     assert figures["tokens_per_forward_copy"] > 1.5
+    # The tiny DeepSeek-V4 with an MTP layer: greedy tokens are the same with its drafts.
+    assert figures["mtp_parity"] == 1 and figures["mtp_draft_tokens"] > 0
+    assert 0 <= figures["mtp_acceptance"] <= 1 and figures["mtp_tokens_per_forward"] >= 1
 
 
 def test_bench_memory_reports_its_keys(tmp_path: Path, model_dir_factory, capsys) -> None:

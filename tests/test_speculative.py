@@ -103,8 +103,8 @@ def _prompt(length: int, seed: int) -> list[int]:
 
 
 # How many rows verify together: any (plain KV), one (DeepSeek-V4's transacted
-# caches), none (V4.1's layer caches cannot be cut back yet).
-VERIFY_ROWS = {"llama": None, "qwen3": None, "deepseek_v4": 1, "deepseek_v41": 0}
+# caches; V4.1's layer caches, replayed).
+VERIFY_ROWS = {"llama": None, "qwen3": None, "deepseek_v4": 1, "deepseek_v41": 1}
 
 
 @pytest.mark.parametrize("family", list(VERIFY_ROWS))
@@ -119,6 +119,21 @@ def test_greedy_parity_alone_and_in_a_batch(family: str, model_dir_factory, monk
     jobs = [(_prompt(10 + 3 * i, i), params) for i in range(4)]
     batch_stats = _check_parity(path, jobs, monkeypatch)
     assert batch_stats["verify_forwards"] > 0
+
+
+def test_deepseek_v41_layer_caches_replay_what_is_kept(model_dir_factory, monkeypatch) -> None:
+    """A rejected draft puts V4.1's window, groups and open group back (windows
+    that wrap: 16 rows; groups of 4 closing inside a verify) under temperature."""
+    path = model_dir_factory("deepseek_v41")
+    params = SamplingParams(max_tokens=40, temperature=1.0, seed=4)
+    stats = _check_parity(path, [(_prompt(7, 3), params)], monkeypatch)
+    assert 0 < stats["accepted_tokens"] < stats["draft_tokens"]
+    # A row verifies alone while a long prompt prefills in chunks, then that one
+    # joins the batch the verifies rebuilt, and the last row left drafts again.
+    greedy = SamplingParams(max_tokens=30, temperature=0.0)
+    jobs = [(_prompt(8, 6), greedy), (_prompt(70, 7), SamplingParams(max_tokens=8))]
+    stats = _check_parity(path, jobs, monkeypatch, EngineConfig(max_num_batched_tokens=16))
+    assert stats["verify_forwards"] > 0
 
 
 def test_deepseek_v4_rolls_back_its_windows_under_temperature(

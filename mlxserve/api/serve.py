@@ -103,9 +103,12 @@ def checked_model_path(
     of several models' PATH_OR_ID (else the positional MODEL, or --demo).
     """
     from mlxserve.models.load import check_model_dir
+    from mlxserve.models.mtp import require_mtp_weights
 
     path = model_path(args) if source is None else resolve_model(source)
-    check_model_dir(path, chat_encoder or args.chat_encoder)
+    config = check_model_dir(path, chat_encoder or args.chat_encoder)
+    if args.speculative == "mtp":
+        require_mtp_weights(path, config)
     return path
 
 

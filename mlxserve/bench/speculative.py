@@ -13,8 +13,13 @@ sides each round, on the tiny Qwen3 checkpoint converted to 4 bits:
 Figures: `tokens_per_forward_copy` (per verify forward of one row),
 `ngram_speedup_copy` and `ngram_speedup_adversarial` (single-stream decode
 tokens/s, with over without), `batch4_speedup_copy` (four copy streams at
-once, aggregate tokens/s), the acceptance rate, and `mtp_parity` (0 while
-there is no MTP drafter).
+once, aggregate tokens/s) and the acceptance rate.
+
+Then DeepSeek-V4's MTP drafter (`--speculative mtp`), on the tiny random-weight
+DeepSeek-V4 with an MTP layer (or `--mtp-model`): `mtp_parity` is 1 when greedy
+tokens with MTP drafts equal those without, and `mtp_acceptance` /
+`mtp_tokens_per_forward` say how often its drafts were right (random weights:
+almost never, so drafting pauses and backs off).
 """
 
 from __future__ import annotations
@@ -95,6 +100,39 @@ def _file(seed: int, length: int = FILE_TOKENS) -> list[int]:
     ]
 
 
+MTP_PROMPTS = 3
+MTP_TOKENS = 48
+
+
+async def _greedy_tokens(
+    path: Path, speculative: str, k: int
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Greedy tokens of a few prompts, one after another, and the drafts' stats."""
+    engine = await _engine(lambda: load(path), speculative, k)
+    params = SamplingParams(max_tokens=MTP_TOKENS, temperature=0.0, ignore_eos=True)
+    try:
+        outputs = []
+        for i in range(MTP_PROMPTS):
+            prompt = [(i * 31 + j * 7) % 500 + 10 for j in range(12 + 9 * i)]
+            events = [e async for e in engine.submit(prompt, params)]
+            outputs.append([e.token_id for e in events if e.token_id is not None])
+        return outputs, dict(engine.stats()["speculative"] or {})
+    finally:
+        await engine.shutdown()
+
+
+async def _measure_mtp(path: Path, k: int) -> dict[str, Any]:
+    plain, _ = await _greedy_tokens(path, "off", k)
+    drafted, stats = await _greedy_tokens(path, "mtp", k)
+    proposed = stats.get("draft_tokens", 0)
+    return {
+        "mtp_parity": int(plain == drafted),
+        "mtp_draft_tokens": proposed,
+        "mtp_acceptance": stats.get("accepted_tokens", 0) / proposed if proposed else 0.0,
+        "mtp_tokens_per_forward": stats.get("tokens_per_forward", 0.0),
+    }
+
+
 async def _engine(loader: Any, speculative: str, k: int) -> AsyncEngine:
     config = EngineConfig(prefix_cache=False, speculative=speculative, num_draft_tokens=k)
     engine = AsyncEngine(config, loader)
@@ -146,15 +184,20 @@ async def _measure(path: Path, k: int, file_tokens: int, rounds: int) -> dict[st
         "ngram_speedup_adversarial": adversarial,
         "draft_tokens_adversarial": noise_stats.get("draft_tokens", 0),
         "num_draft_tokens": k,
-        "mtp_available": 0,
-        "mtp_parity": 0,
     }
 
 
 def run(args: argparse.Namespace) -> int:
+    from mlxserve.models.synthetic import make_model
+
+    k = args.num_draft_tokens
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else quantized_tiny("qwen3", Path(tmp))
-        figures = asyncio.run(_measure(path, args.num_draft_tokens, args.file_tokens, args.rounds))
+        figures = asyncio.run(_measure(path, k, args.file_tokens, args.rounds))
+        mtp_path = Path(args.mtp_model) if args.mtp_model else None
+        if mtp_path is None:
+            mtp_path = make_model(Path(tmp) / "v4-mtp", "deepseek_v4", mtp_layers=1)
+        figures.update(asyncio.run(_measure_mtp(mtp_path, k)))
     figures["backend"] = "gpu" if mx.default_device() == mx.gpu else "cpu"
     emit("speculative", figures, args.json)
     return 0

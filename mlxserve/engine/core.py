@@ -31,11 +31,13 @@ from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.kv_pool import KVPool
 from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
+from mlxserve.engine.mtp_drafter import MtpDrafter
 from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
+from mlxserve.models.mtp import load_mtp_head, require_mtp_weights
 
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
@@ -230,6 +232,8 @@ class EngineCore:
         self.runner = Runner(model, self._fault, decode_ahead=publisher is None)
         if publisher is not None and self.prefix_cache is not None:
             self.prefix_cache.observer = publisher
+        # Before the budget is measured: an MTP head's weights come out of it.
+        speculator = self._speculator(model, self.runner)
         self.memory = self._measure_memory(model, self.runner)
         self.scheduler = Scheduler(
             self.config,
@@ -240,14 +244,21 @@ class EngineCore:
             min_chunk_tokens=model.min_prefill_chunk,
             wake=lambda: self._inbox.put(_Wake()),
             num_layers=len(model.make_cache()),
-            speculator=self._speculator(model, self.runner),
+            speculator=speculator,
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
 
     def _speculator(self, model: LoadedModel, runner: Runner) -> Speculator | None:
-        """The drafter for `--speculative`, where this model's caches can be cut back."""
+        """The drafter for `--speculative`, where this model's caches can be cut back:
+        the checkpoint's MTP head for `mtp` (refused without one) and for `auto`
+        where it has one, prompt lookup otherwise."""
         c = self.config
-        speculator = make_speculator(c.speculative, c.num_draft_tokens, c.ngram_size)
+        mtp = self._mtp_drafter(model) if c.speculative in ("mtp", "auto") else None
+        if mtp is not None:
+            speculator: Speculator | None = Speculator(mtp, c.num_draft_tokens)
+        else:
+            mode = "ngram" if c.speculative == "auto" else c.speculative
+            speculator = make_speculator(mode, c.num_draft_tokens, c.ngram_size)
         if speculator is None:
             return None
         if runner.verify_rows_limit == 0:
@@ -258,7 +269,14 @@ class EngineCore:
             )
             return None
         speculator.max_rows = runner.verify_rows_limit
+        runner.tap.drafter = mtp
         return speculator
+
+    def _mtp_drafter(self, model: LoadedModel) -> MtpDrafter | None:
+        head = load_mtp_head(model)
+        if head is None and self.config.speculative == "mtp":
+            require_mtp_weights(model.path, model.config)  # raises, with the reason
+        return None if head is None else MtpDrafter(head)
 
     def _open_disk(self, model: LoadedModel) -> DiskTier | None:
         """The prefix cache's disk tier, if `--prefix-cache-dir` is set."""
@@ -298,9 +316,11 @@ class EngineCore:
             ) from e
         finally:
             mx.clear_cache()
+        weights = weights_nbytes(getattr(model.model, "module", model.model))
+        if runner.tap.drafter is not None:  # the MTP head's own weights
+            weights += weights_nbytes(runner.tap.drafter.head.drafter)
         pool = self._pool
         if pool is not None:
-            weights = weights_nbytes(getattr(model.model, "module", model.model))
             pool.join(self._member, weights, lambda: self._inbox.put(_Wake()))
             logger.info(
                 "model %r shares a KV memory budget of %d bytes; its cache costs "
@@ -314,7 +334,6 @@ class EngineCore:
         budget = self.config.kv_memory_bytes
         source = "--kv-memory-bytes"
         if budget is None:
-            weights = weights_nbytes(getattr(model.model, "module", model.model))
             budget = default_kv_budget(weights)
             source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
         if self.publisher is not None:

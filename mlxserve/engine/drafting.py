@@ -182,12 +182,12 @@ class Speculator:
 
 
 def make_speculator(mode: str, num_draft_tokens: int, ngram_size: int) -> Speculator | None:
-    """The speculator for `--speculative` (None when off)."""
+    """The prompt-lookup speculator for `--speculative` (None when off).
+
+    `mtp` drafts with the checkpoint's own head, which the engine loads with the
+    model (`engine/core.py`); `auto` without such a head is prompt lookup."""
     if mode == "off":
         return None
     if mode == "mtp":
-        raise ValueError(
-            "--speculative mtp: drafting with the checkpoint's MTP head is not available "
-            "yet; use ngram or auto"
-        )
+        raise ValueError("--speculative mtp drafts with the checkpoint's MTP head, not here")
     return Speculator(NgramDrafter(ngram_size), num_draft_tokens)

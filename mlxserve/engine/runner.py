@@ -41,6 +41,7 @@ from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
+from mlxserve.engine.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -133,6 +134,7 @@ class Runner:
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self.snapshots = SnapshotTaker(fault)
+        self.tap = HiddenTap(model)  # the forwards; an MTP drafter, if set, reads their states
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
@@ -312,7 +314,7 @@ class Runner:
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
-            logits = self.model.model.last_logits(tokens, cache)
+            logits = self.tap.last_logits(tokens, cache, [(rid, chunk.start)])
             return _BuiltChunk(chunk, cache, logits, time.perf_counter() - started)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
@@ -452,13 +454,15 @@ class Runner:
             request_ids = [r.request_id for r in requests]
             self._check(faults.FORWARD, request_ids)
             rows = [[r.output_ids[-1], *d] for r, d in zip(requests, drafts, strict=True)]
-            cut = CutBack(cache, len(rows[0]))
-            logits = self.model.model(mx.array(rows, dtype=mx.int32), cache)
+            inputs = mx.array(rows, dtype=mx.int32)
+            cut = CutBack(cache, inputs, self.model.model.last_logits)
+            logits, sink = self.tap.logits(inputs, cut.cache)
             self._check(faults.SAMPLE, request_ids)
             states = [self.samplers[rid] for rid in request_ids]
             kept = verify_rows(logits, requests, drafts, states)
             # The cache holds every fed position; the last kept token is fed next step.
             cut.keep(len(kept[0]), len(requests))
+            self.tap.keep(sink, decode_positions(requests), len(kept[0]))
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("verify step failed for %d request(s)", len(requests))
             self._decode_failed(requests, e, result)
@@ -508,7 +512,7 @@ class Runner:
                 pending = self._draw(pending.logits, requests)
             if pending is None:
                 inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
-                logits = self.model.model.last_logits(inputs, cache)
+                logits = self.tap.last_logits(inputs, cache, decode_positions(requests))
                 if ahead or overlap:
                     pending = self._draw(logits, requests)
                     pending.start()
@@ -584,7 +588,7 @@ class Runner:
         """Feed the tokens being drawn as the next step's inputs and start that step:
         its draw too where no row's sampling needs the tokens read first."""
         inputs = pending.tokens.astype(mx.int32)[:, None]
-        logits = self.model.model.last_logits(inputs, cache)
+        logits = self.tap.last_logits(inputs, cache, decode_positions(requests, ahead=1))
         following: PendingSample | PendingLogits
         if self._pipelinable(requests):
             following = self._draw(logits, requests)

@@ -43,15 +43,31 @@ class ModelAdapter:
             dsv41_batch.install(module)
         cpu_head.install(module)
 
-    def __call__(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
+    def __call__(
+        self, inputs: mx.array, cache: list[Any] | None = None, sink: list[Any] | None = None
+    ) -> mx.array:
+        """(B, L, V) logits. With `sink` (DeepSeek-V4 only), the last hidden states
+        before the hyper-connection head, (B, L, hc_mult, hidden), are appended to
+        it: what the checkpoint's MTP head reads (`models/mtp.py`)."""
+        if sink is not None:
+            self._check_sink()
+            return self.module(inputs, cache=cache, hidden_sink=sink).logits
         out = self.module(inputs, cache=cache)
         return out.logits if self._is_vlm_v4 else out
 
-    def last_logits(self, inputs: mx.array, cache: list[Any] | None = None) -> mx.array:
-        """Logits of the last input position of each row, shape (B, V)."""
+    def _check_sink(self) -> None:
+        if not self._is_vlm_v4:
+            raise ValueError(f"{self.model_type} does not expose its hidden states")
+
+    def last_logits(
+        self, inputs: mx.array, cache: list[Any] | None = None, sink: list[Any] | None = None
+    ) -> mx.array:
+        """Logits of the last input position of each row, shape (B, V); `sink` as above."""
+        if sink is not None:
+            self._check_sink()
         if self._is_vlm_v4:
             # mlx-vlm's `linear` is the module's own call for one position per row.
-            hidden = self.module.model(inputs, cache=cache)[:, -1:, :]
+            hidden = self.module.model(inputs, cache=cache, hidden_sink=sink)[:, -1:, :]
             return self.module.lm_head(hidden)[:, -1, :]
         if self.model_type in _PLAIN_HEAD_TYPES:
             hidden = self.module.model(inputs, cache)[:, -1:, :]

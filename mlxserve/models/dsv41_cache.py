@@ -207,6 +207,11 @@ class BatchLayerCache:
         merged.pending_gate = RowBuffer.merge([c.pending_gate for c in caches])
         return merged
 
+    def assign(self, caches: Sequence[LayerCache]) -> None:
+        """Hold exactly these caches' rows, as `merge` would, in this same object (the
+        decode batch keeps its layer objects)."""
+        self.__dict__.update(BatchLayerCache.merge(caches).__dict__)
+
     def _buffers(self) -> tuple[RowBuffer, ...]:
         return (self.compress, self.index, self.pending_kv, self.pending_gate)
 

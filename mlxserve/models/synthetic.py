@@ -24,6 +24,8 @@ FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41")
 LOGIT_STD = 8.0
 BOS_ID = 0
 EOS_ID = 1
+# The MTP layer's weights are drawn from seed + this, apart from the main model's.
+MTP_SEED_OFFSET = 7919
 
 LLAMA_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
@@ -228,20 +230,46 @@ def random_weights(config: dict, seed: int) -> dict[str, Any]:
     return weights
 
 
+def random_mtp_weights(config: dict, seed: int) -> dict[str, Any]:
+    """Seeded random weights for one DeepSeek-V4 MTP layer, named as a checkpoint's
+    `mtp.*` tensors (in mlx-vlm's drafter parameter names)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.speculative.drafters.deepseek_v4_mtp import Model, ModelConfig
+
+    # Its own stream of random numbers: the main model's weights stay as they were.
+    mx.random.seed(seed + MTP_SEED_OFFSET)
+    head = Model(ModelConfig.from_dict({"model_type": "deepseek_v4_mtp", "text_config": config}))
+    flat: Any = tree_flatten(head.parameters())
+    weights = {f"mtp.{name}": value for name, value in flat}
+    mx.eval(weights)
+    return weights
+
+
 def make_model(
     out_dir: str | Path,
     family: str,
     seed: int = 0,
     layers: int | None = None,
     hidden: int | None = None,
+    mtp_layers: int = 0,
 ) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files into out_dir."""
+    """Write config.json, model.safetensors and the tokenizer files into out_dir.
+
+    `mtp_layers` (DeepSeek-V4 only, 0 or 1) adds the checkpoint's MTP layer
+    (`mtp.*` tensors, `num_nextn_predict_layers`); the main model's weights
+    and output are the same with or without it."""
     import mlx.core as mx
 
+    if mtp_layers not in (0, 1) or (mtp_layers and family != "deepseek_v4"):
+        raise ValueError("--mtp-layers: 0, or 1 for --family deepseek_v4")
     config = build_config(family, layers, hidden)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = random_weights(config, seed)
+    if mtp_layers:
+        config["num_nextn_predict_layers"] = mtp_layers
+        weights.update(random_mtp_weights(config, seed))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     source = tokenizer_dir()
@@ -271,6 +299,18 @@ def run(args: argparse.Namespace) -> int:
     if args.script:
         print("mlxserve make-model: --script is only for --family scripted", file=sys.stderr)
         return 2
-    path = make_model(args.out, args.family, seed=args.seed, layers=args.layers, hidden=args.hidden)
-    print(f"wrote a random-weight {args.family} checkpoint to {path}")
+    try:
+        path = make_model(
+            args.out,
+            args.family,
+            seed=args.seed,
+            layers=args.layers,
+            hidden=args.hidden,
+            mtp_layers=args.mtp_layers,
+        )
+    except ValueError as e:
+        print(f"mlxserve make-model: {e}", file=sys.stderr)
+        return 2
+    with_mtp = " with an MTP layer" if args.mtp_layers else ""
+    print(f"wrote a random-weight {args.family} checkpoint{with_mtp} to {path}")
     return 0
