@@ -172,6 +172,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         help="prompt lookup matches the last N tokens (then fewer, down to 2)",
     )
     p.add_argument(
+        "--distributed",
+        choices=("tensor", "pipeline"),
+        default=None,
+        help="serve one model across the ranks mlx.launch started: tensor (each layer "
+        "split across ranks) or pipeline (each rank runs a stage of the layers); "
+        "rank 0 serves HTTP",
+    )
+    p.add_argument(
         "--exit-on-engine-failure",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -333,6 +341,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(handler="mlxserve.bench.memory:run")
+
+    p = bsub.add_parser(
+        "distributed", help="2 ranks (tensor, pipeline) under mlx.launch against one process"
+    )
+    p.add_argument("--family", default="llama", choices=("llama", "qwen3"))
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--model", default=None, help="a model directory instead of a tiny one")
+    p.add_argument("--json", default=None)
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--prompt-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=24)
+    p.set_defaults(handler="mlxserve.bench.distributed:run")
 
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")

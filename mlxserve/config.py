@@ -54,8 +54,11 @@ class EngineConfig:
     speculative: str = "off"
     num_draft_tokens: int = 4
     ngram_size: int = 3
+    # Distributed serving over mx.distributed: None, "tensor" or "pipeline".
+    distributed: str | None = None
 
     def __post_init__(self) -> None:
+        self._check_distributed()
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
             raise ValueError("kv_memory_bytes must be positive")
         if self.kv_reserve_tokens < 0:
@@ -78,6 +81,17 @@ class EngineConfig:
             object.__setattr__(self, "max_num_batched_tokens", self.max_prefill_tokens)
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+
+    def _check_distributed(self) -> None:
+        if self.distributed is None:
+            return
+        if self.distributed not in ("tensor", "pipeline"):
+            raise ValueError("distributed must be tensor or pipeline")
+        if self.speculative != "off":
+            raise ValueError("speculative decoding is not supported with --distributed yet")
+        if self.prefix_cache_dir is not None:
+            # Each rank would need its own shard's files, written and read in step.
+            raise ValueError("--prefix-cache-dir is not supported with --distributed yet")
         if self.max_step_ms is not None and not self.max_step_ms > 0:
             raise ValueError("max_step_ms must be positive")
         if self.max_waiting < 0:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -23,6 +24,10 @@ from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.resolve import resolve_model
 from mlxserve.versions import check_versions
+
+if TYPE_CHECKING:
+    from mlxserve.engine.distributed import PlanGroup
+    from mlxserve.models.shard import Sharding
 
 logger = logging.getLogger("mlxserve.serve")
 
@@ -48,6 +53,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative=args.speculative,
         num_draft_tokens=args.num_draft_tokens,
         ngram_size=args.ngram_size,
+        distributed=getattr(args, "distributed", None),
     )
 
 
@@ -113,17 +119,21 @@ def build_app(
     args: argparse.Namespace,
     loader: Loader | None = None,
     loaders: Mapping[str, Loader] | None = None,
+    group: PlanGroup | None = None,
 ) -> tuple[FastAPI, ServedModels]:
     """The app for these CLI arguments. `loader` (one model) or `loaders` (by model name)
-    override loading from disk, for tests."""
+    override loading from disk, for tests. `group`: rank 0 of a distributed run
+    (`--distributed`), which loads its shard and sends each step's plan to the others."""
     specs, default = model_specs(args)
     several = len(specs) > 1
+    if several and group is not None:
+        raise ValueError("--distributed serves one model; several models are not supported")
     pool = KVPool(args.kv_memory_bytes) if several else None
     metrics = Metrics()
     states = []
     for spec in specs:
         chosen = loader if not several else (loaders or {}).get(spec.name)
-        states.append(_model_state(args, spec, several, chosen, pool, metrics))
+        states.append(_model_state(args, spec, several, chosen, pool, metrics, group))
     served = ServedModels(
         tuple(states),
         metrics,
@@ -140,6 +150,7 @@ def _model_state(
     loader: Loader | None,
     pool: KVPool | None,
     metrics: Metrics,
+    group: PlanGroup | None = None,
 ) -> ServerState:
     """One served model: its engine (with its own owner thread), settings and names."""
     from mlxserve.engine.async_engine import AsyncEngine
@@ -156,17 +167,23 @@ def _model_state(
     }
     scfg = replace(scfg, served_model_name=spec.name, **overrides)
     progress = LoadProgress(bar=None if loader is None else False)
+    publisher = None
+    if group is not None:
+        from mlxserve.engine.distributed import PlanPublisher
+
+        publisher = PlanPublisher(group)
     if loader is None:
         from mlxserve.models import load
 
         encoder = scfg.chat_encoder
         path = checked_model_path(args, spec.source if several else None, encoder)
+        sharding = sharding_for(args, group)
 
         def load_from_disk() -> LoadedModel:
-            return load(path, chat_encoder=encoder, progress=progress)
+            return load(path, chat_encoder=encoder, progress=progress, shard=sharding)
 
         loader = load_from_disk
-    engine = AsyncEngine(ecfg, loader, pool=pool, member=spec.name)
+    engine = AsyncEngine(ecfg, loader, pool=pool, member=spec.name, publisher=publisher)
     return ServerState(
         engine=engine,
         config=scfg,
@@ -182,14 +199,36 @@ def _dir_name(spec: ModelSpec) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in spec.name)
 
 
+def sharding_for(args: argparse.Namespace, group: PlanGroup | None) -> Sharding | None:
+    if group is None:
+        return None
+    from mlxserve.models.shard import Sharding
+
+    return Sharding(args.distributed, group.group)
+
+
 def run(args: argparse.Namespace) -> int:
+    group = None
+    if getattr(args, "distributed", None):
+        from mlxserve.engine.distributed import join_group
+
+        try:
+            group = join_group()
+        except RuntimeError as e:
+            print(f"mlxserve serve: {e}", file=sys.stderr)
+            return 2
+    rank = f" rank {group.rank}" if group is not None else ""
     logging.basicConfig(
         level=str(args.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s",
     )
+    if group is not None and group.rank > 0:
+        from mlxserve.engine.follower_main import run_follower
+
+        return run_follower(args, group, engine_config(args), sharding_for(args, group))
     try:
         check_versions()
-        app, served = build_app(args)
+        app, served = build_app(args, group=group)
     except (ValueError, RuntimeError) as e:
         print(f"mlxserve serve: {e}", file=sys.stderr)
         return 2
@@ -200,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
     names = ", ".join(repr(s.model_name) for s in served.models)
     logger.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
     status = serve_app(app, served, args.host, args.port, str(args.log_level).lower())
-    if any(s.engine.stats().get("stalled") for s in served.models):
+    if any(s.engine.stats().get("stalled") for s in served.models) or group is not None:
+        # (Distributed: the other ranks may be gone, and tearing the group down
+        # at interpreter exit could wait on them.)
         # The engine thread is stuck inside MLX: interpreter shutdown could wait on it or
         # abort in a C++ destructor, so the process leaves now, with its status.
         logging.shutdown()

@@ -27,7 +27,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxserve.cache.snapshot import (
     UnsupportedCacheError,
@@ -73,6 +73,17 @@ class PrefixCacheStats:
     taken: int = 0  # hits that took their entry over instead of sharing it
 
 
+class PrefixCacheObserver(Protocol):
+    """Told of every decision, in order (distributed serving replays them on the other
+    ranks, which hold their own shard of each entry: `engine/distributed.py`)."""
+
+    def stored(self, entry_id: int, key: bytes) -> None: ...
+
+    def dropped(self, entry_id: int) -> None: ...
+
+    def hit(self, entry_id: int, reused: int, taken: bool, cache: list[Any]) -> None: ...
+
+
 @dataclass
 class _Entry:
     snapshot: list[Any]
@@ -80,6 +91,7 @@ class _Entry:
     key_len: int
     trimmable: bool = False
     dirty: bool = False  # grown past its last disk write by less than `disk_every`
+    entry_id: int = 0
 
 
 # A RAM entry leaving for the disk tier: its key, snapshot, and the lengths of
@@ -124,6 +136,8 @@ class PrefixCache:
         self._taken = 0
         self.disk = disk
         self.disk_every = disk_every
+        self.observer: PrefixCacheObserver | None = None
+        self._next_id = 0
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -176,8 +190,10 @@ class PrefixCache:
             self._tokens_reused += reused
             taken = take and not node.children and reused == chosen.key_len
             if taken:
-                self._drop(node)
                 self._taken += 1
+                if self.observer is not None:
+                    self.observer.hit(chosen.entry_id, reused, True, chosen.snapshot)
+                self._drop(node)
             else:
                 self._lru.move_to_end(node)
         if taken:
@@ -186,6 +202,8 @@ class PrefixCache:
         cache = self._copy(chosen.snapshot)
         if reused < chosen.key_len:
             trim_cache(cache, chosen.key_len - reused)
+        if self.observer is not None:
+            self.observer.hit(chosen.entry_id, reused, False, cache)
         return PrefixHit(reused, cache, list(prompt_ids[reused:]))
 
     def insert(
@@ -224,15 +242,21 @@ class PrefixCache:
         with self._lock:
             node, prefixes = self._trie.node_for(key)
             if node.entry is not None:  # identical key: replace in place
-                self._bytes -= self._lru.pop(node).nbytes
+                replaced = self._lru.pop(node)
+                self._bytes -= replaced.nbytes
                 self._superseded += 1
+                if self.observer is not None:
+                    self.observer.dropped(replaced.entry_id)
             for old in prefixes:  # removing an ancestor never detaches `node`
                 if len(old.children) > 1:
                     continue  # a branch point other keys still extend: keep it
                 self._drop(old)
                 self._superseded += 1
-            entry = _Entry(snapshot, size, len(key_ids), trimmable)
+            self._next_id += 1
+            entry = _Entry(snapshot, size, len(key_ids), trimmable, entry_id=self._next_id)
             node.entry = entry
+            if self.observer is not None:
+                self.observer.stored(entry.entry_id, key)
             self._lru[node] = entry
             self._bytes += size
             self._inserts += 1
@@ -316,10 +340,15 @@ class PrefixCache:
         entry = self._lru.pop(node)
         self._bytes -= entry.nbytes
         self._trie.remove(node)
+        if self.observer is not None:
+            self.observer.dropped(entry.entry_id)
 
     def clear(self) -> None:
         """Drop every entry (the hit/miss/eviction counters are kept)."""
         with self._lock:
+            if self.observer is not None:
+                for entry in self._lru.values():
+                    self.observer.dropped(entry.entry_id)
             self._trie = Trie()
             self._lru.clear()
             self._bytes = 0

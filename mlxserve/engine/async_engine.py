@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.core import EngineCore
@@ -32,6 +32,9 @@ from mlxserve.engine.request import (
     TokenEvent,
 )
 from mlxserve.models.loaded import LoadedModel
+
+if TYPE_CHECKING:
+    from mlxserve.engine.distributed import PlanPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class AsyncEngine:
         fault: FaultHook | None = None,
         pool: KVPool | None = None,
         member: str = "",
+        publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
         self._core = EngineCore(
@@ -58,6 +62,7 @@ class AsyncEngine:
             on_death=self._engine_died,
             pool=pool,
             member=member,
+            publisher=publisher,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._queues: dict[str, asyncio.Queue[TokenEvent]] = {}

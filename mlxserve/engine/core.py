@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.distributed import PeerLost
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.kv_pool import KVPool
@@ -41,6 +42,7 @@ from mlxserve.models.mtp import load_mtp_head, require_mtp_weights
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
     from mlxserve.cache.prefix_cache import PrefixCache
+    from mlxserve.engine.distributed import PlanPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +94,11 @@ class EngineCore:
         on_death: Callable[[str], None] | None = None,
         pool: KVPool | None = None,
         member: str = "",
+        publisher: PlanPublisher | None = None,
     ) -> None:
         self.config = config
+        # Distributed serving: each step's plan goes to the other ranks first.
+        self.publisher = publisher
         self._loader = loader
         # The KV byte budget shared with the other models' engines (several models served).
         self._pool = pool
@@ -194,8 +199,14 @@ class EngineCore:
             self._loop()
             stopped = True
             self._close_disk()
+            if self.publisher is not None and not self.publisher.stop():
+                # A rank was lost as the server stopped: not a clean stop.
+                self.failure = "another rank was lost"
         except EngineStalled as e:  # the watchdog has reported it already
             reason = str(e)
+        except PeerLost as e:  # another rank is gone: not a bug here, no traceback
+            reason = str(e)
+            logger.critical("the engine stopped: %s", reason)
         except BaseException as e:  # any end but a stop is reported (below)
             reason = _describe(e)
             logger.critical("the engine thread died: %s", reason, exc_info=True)
@@ -216,7 +227,11 @@ class EngineCore:
                 disk=self._open_disk(model),
                 disk_every=self.config.prefix_cache_disk_every,
             )
-        self.runner = Runner(model, self._fault)
+        publisher = self.publisher
+        # Other ranks feed rank 0's tokens, so no step may feed its own draws ahead.
+        self.runner = Runner(model, self._fault, decode_ahead=publisher is None)
+        if publisher is not None and self.prefix_cache is not None:
+            self.prefix_cache.observer = publisher
         # Before the budget is measured: an MTP head's weights come out of it.
         speculator = self._speculator(model, self.runner)
         self.memory = self._measure_memory(model, self.runner)
@@ -321,6 +336,11 @@ class EngineCore:
         if budget is None:
             budget = default_kv_budget(weights)
             source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
+        if self.publisher is not None:
+            from mlxserve.engine.distributed import shared_budget
+
+            budget = shared_budget(self.publisher.group, budget, cost.bytes_per_token)
+            source += ", the smallest any rank can afford"
         logger.info(
             "KV memory budget %d bytes (%.2f GiB, %s); a request's cache costs "
             "%d + %.0f bytes per token",
@@ -367,7 +387,12 @@ class EngineCore:
             return
         if plan.has_work:
             self.steps += 1
+        if self.publisher is not None:
+            # Not guarded: a peer gone (PeerLost) is engine death, not a request's error.
+            self.publisher.publish(plan, [*scheduler.running, *scheduler.waiting])
         result = self._guarded(lambda: runner.run(plan), lambda: plan.request_ids)
+        if result is not None and self.publisher is not None:
+            self.publisher.ran(plan, result)
         if result is not None:
             self._guarded(lambda: scheduler.update(result), lambda: plan.request_ids)
             if result.unreleased:

@@ -108,7 +108,11 @@ class Runner:
         self.decode_ahead = decode_ahead
         probe = model.make_cache()
         # batchable: running requests decode as one batch over merged caches.
-        self.batchable = bool(probe) and all(mergeable(layer) for layer in probe)
+        self.batchable = (
+            bool(probe)
+            and all(mergeable(layer) for layer in probe)
+            and model.extra.get("batchable", True)
+        )
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
         self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).

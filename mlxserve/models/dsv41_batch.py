@@ -67,6 +67,8 @@ def install(language_model: Any) -> int:
     """Wrap every attention module of an mlx-lm `deepseek_v41.Model`; returns how many."""
     wrapped = 0
     for layer in language_model.model.layers:
+        if layer is None:
+            continue  # another pipeline stage's layer (`models/shard.py`)
         if not isinstance(layer.self_attn, BatchableAttention):
             layer.self_attn = BatchableAttention(layer.self_attn)
             wrapped += 1

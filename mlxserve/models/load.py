@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,8 +85,17 @@ def check_model_dir(path: str | Path, chat_encoder: str = "auto") -> dict[str, A
     return config
 
 
-def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> Any:
-    """The model module, its weights materialised slice by slice (progress by bytes)."""
+# Called on the lazily built module before its weights are read (`models/shard.py`).
+ShardFn = Callable[[Any, str], None]
+
+
+def _load_module(
+    path: Path, config: dict[str, Any], progress: LoadProgress, shard: ShardFn | None = None
+) -> Any:
+    """The model module, its weights materialised slice by slice (progress by bytes).
+
+    `shard` (distributed serving) cuts the module to this rank's part first, so
+    only that part's weights are read."""
     model_type = config["model_type"]
     progress.enter("module")
     if model_type in VLM_TYPES:
@@ -101,6 +111,8 @@ def _load_module(path: Path, config: dict[str, Any], progress: LoadProgress) -> 
             raise ModelLoadError(
                 f"model_type {model_type!r} is not supported by mlx-lm: {e}"
             ) from e
+    if shard is not None:
+        shard(module, model_type)
     _materialise(module, progress)
     return module
 
@@ -152,6 +164,13 @@ def load_tokenizer(path: Path, eos_token_id: Any = None) -> Any:
     return load_wrapper(Path(path), eos_token_ids=eos_token_id)
 
 
+def _vocab_size(tokenizer: Any, config: dict[str, Any]) -> int:
+    size = config.get("vocab_size")
+    if size or tokenizer is None:
+        return int(size or 0)
+    return len(tokenizer.get_vocab())
+
+
 def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
     ids = set(getattr(tokenizer, "eos_token_ids", ()) or ())
     configured = config.get("eos_token_id")
@@ -159,17 +178,24 @@ def _eos_ids(tokenizer: Any, config: dict[str, Any]) -> frozenset[int]:
         ids.add(configured)
     elif isinstance(configured, list):
         ids.update(int(i) for i in configured)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return frozenset(ids)
 
 
 def load(
-    path: str | Path, chat_encoder: str = "auto", progress: LoadProgress | None = None
+    path: str | Path,
+    chat_encoder: str = "auto",
+    progress: LoadProgress | None = None,
+    shard: ShardFn | None = None,
+    with_tokenizer: bool = True,
 ) -> LoadedModel:
     """Load weights, tokenizer and cache factory; raise ModelLoadError on any problem.
 
     `progress` (if given) follows the load: stage and fraction of weight bytes.
+    `shard`: load only this rank's shard (`models/shard.Sharding`).
+    `with_tokenizer=False` (a distributed follower, which only runs forwards) skips
+    the tokenizer and the prompt-format check: `tokenizer` is None.
     """
     progress = progress or LoadProgress(bar=False)
     path = Path(path)
@@ -177,12 +203,14 @@ def load(
     encoder = choose_encoder(config["model_type"], chat_encoder)
     model_type = config["model_type"]
     if is_scripted(config):
+        if shard is not None:
+            raise ModelLoadError("scripted test checkpoints cannot be served distributed")
         return _load_scripted(path, config, encoder)
     logger.info("loading %s model from %s", model_type, path)
     try:
-        module = _load_module(path, config, progress)
+        module = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
-        tokenizer = load_tokenizer(path, config.get("eos_token_id"))
+        tokenizer = load_tokenizer(path, config.get("eos_token_id")) if with_tokenizer else None
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
     adapter = ModelAdapter(module, model_type)
@@ -195,10 +223,13 @@ def load(
         make_cache=adapter.make_cache,
         eos_token_ids=_eos_ids(tokenizer, config),
         chat_encoder=encoder,
-        vocab_size=int(config.get("vocab_size") or len(tokenizer.get_vocab())),
+        vocab_size=_vocab_size(tokenizer, config),
         min_prefill_chunk=min_prefill_chunk(model_type),
     )
-    _check_renderable(loaded)
+    if shard is not None and not getattr(shard, "batchable", lambda _: True)(model_type):
+        loaded.extra["batchable"] = False
+    if tokenizer is not None:
+        _check_renderable(loaded)
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
     return loaded

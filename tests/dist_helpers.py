@@ -1,0 +1,340 @@
+"""Helpers of the distributed tests: `mlx.launch --backend ring -n 2` on loopback.
+
+`LaunchedServer` runs `mlxserve serve MODEL --distributed MODE` on two ranks
+of this machine (127.0.0.1 only); `scenarios` drives one server through the
+issue's cases and returns what it answered, so a single-process server's
+answers can be compared with a distributed one's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from api_fixtures import free_port
+
+from mlxserve.bench.distributed import free_port_pair
+
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+# Stream chunks a client reads before it goes away (abort / disconnect cases).
+READ_BEFORE_LEAVING = 3
+
+
+def launch_available() -> bool:
+    return Path(LAUNCH).is_file()
+
+
+class LaunchedServer:
+    """Two ranks under mlx.launch; rank 0 serves HTTP on 127.0.0.1."""
+
+    def __init__(self, model: Path, mode: str, *extra: str, log: Path) -> None:
+        self.port = free_port()
+        ring_port = free_port_pair()
+        self.argv = [
+            LAUNCH,
+            "--backend",
+            "ring",
+            "-n",
+            "2",
+            "--hosts",
+            "127.0.0.1",
+            "--starting-port",
+            str(ring_port),
+            "--",
+            sys.executable,
+            "-m",
+            "mlxserve.cli",
+            "serve",
+            str(model),
+            "--distributed",
+            mode,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            os.environ.get("MLXSERVE_DIST_LOG_LEVEL", "warning"),
+            *extra,
+        ]
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> LaunchedServer:
+        self._log_file = self.log.open("wb")
+        self.proc = subprocess.Popen(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlx.launch exited: {self.log.read_text()[-3000:]}")
+            if health(self.url) == 200:
+                return self
+            time.sleep(0.25)
+        self.__exit__()
+        raise TimeoutError(f"the distributed server did not become ready: {self.log.read_text()}")
+
+    def rank_pids(self) -> dict[int, int]:
+        """The ranks' process ids (found by their environment and our port)."""
+        found: dict[int, int] = {}
+        marker = str(self.port).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"mlxserve.cli" not in cmdline or marker not in cmdline:
+                continue
+            for item in environ:
+                if item.startswith(b"MLX_RANK="):
+                    found[int(item.split(b"=", 1)[1])] = int(entry.name)
+        return found
+
+    def __exit__(self, *exc: object) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+        self._log_file.close()
+
+
+def health(url: str) -> int | None:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
+LONG_PROMPT = " ".join(f"item {i} of the list, then" for i in range(50))
+SHORT_PROMPTS = ("The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,")
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 10},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+        },
+    },
+}
+
+
+@dataclass
+class Answer:
+    text: str
+    tokens: list[str] = field(default_factory=list)
+    # Per token: the two highest log-probabilities (their gap is the logit gap).
+    top2: list[tuple[float, float]] = field(default_factory=list)
+    cached: int = 0
+    finish: str | None = None
+
+
+def complete(url: str, prompt: str, max_tokens: int = 12) -> Answer:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": 2,
+    }
+    response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+    response.raise_for_status()
+    data = response.json()
+    choice = data["choices"][0]
+    logprobs = choice["logprobs"]
+    top2 = []
+    for top in logprobs["top_logprobs"]:
+        values = sorted(top.values(), reverse=True) + [float("-inf")]
+        top2.append((values[0], values[1]))
+    cached = data["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return Answer(choice["text"], logprobs["tokens"], top2, cached, choice["finish_reason"])
+
+
+def tool_call(url: str) -> str:
+    body = {
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "temperature": 0,
+        "max_tokens": 120,
+        # Random weights never close a reasoning block: constrain from the first token.
+        "chat_template_kwargs": {"thinking": False, "enable_thinking": False},
+    }
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    response.raise_for_status()
+    choice = response.json()["choices"][0]
+    message = choice["message"]
+    calls = message.get("tool_calls") or []
+    assert len(calls) == 1, message
+    for call in calls:
+        call.pop("id", None)
+    return json.dumps([calls, choice["finish_reason"]])
+
+
+def stream_then_leave(url: str, prompt: str) -> list[str]:
+    """Stream a completion, read a few chunks, then close the connection."""
+    body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True}
+    pieces: list[str] = []
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", url + "/v1/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[len("data: ") :])["choices"][0]
+            if choice["text"]:
+                pieces.append(choice["text"])
+            if len(pieces) >= READ_BEFORE_LEAVING:
+                break
+    return pieces
+
+
+def scenarios(url: str) -> dict[str, Any]:
+    """The issue's cases on one server, in order; what it answered."""
+    out: dict[str, Any] = {}
+    prompts = [*SHORT_PROMPTS, LONG_PROMPT]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        out["batch"] = list(pool.map(lambda p: complete(url, p), prompts))
+    # The long prompt's snapshot is in the prefix cache: this one extends it.
+    out["hit"] = complete(url, LONG_PROMPT + " and one more thing")
+    out["tool"] = tool_call(url)
+    out["abort"] = stream_then_leave(url, SHORT_PROMPTS[1])
+    out["disconnect"] = stream_then_leave(url, LONG_PROMPT + " again")
+    # After a client left mid-stream, every rank must still be in step.
+    out["after"] = complete(url, SHORT_PROMPTS[0] + " jumps", max_tokens=8)
+    return out
+
+
+def first_difference(a: Answer, b: Answer) -> int | None:
+    for i, (x, y) in enumerate(zip(a.tokens, b.tokens, strict=False)):
+        if x != y:
+            return i
+    return None if len(a.tokens) == len(b.tokens) else min(len(a.tokens), len(b.tokens))
+
+
+def assert_same_answers(
+    reference: Answer, got: Answer, near_tie: float, where: str, tie_ok: bool
+) -> None:
+    """Identical greedy tokens; or, where `tie_ok` (tensor parallel sums in another
+    order), a first difference at a step whose top-2 logit gap is below `near_tie`."""
+    at = first_difference(reference, got)
+    if at is None:
+        return
+    gap = reference.top2[at][0] - reference.top2[at][1] if at < len(reference.top2) else None
+    message = f"{where}: token {at} differs ({reference.tokens!r} vs {got.tokens!r}; gap {gap})"
+    assert tie_ok and gap is not None and gap < near_tie, message
+
+
+def run_pool(jobs: list[Callable[[], Any]]) -> list[Any]:
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [f.result() for f in [pool.submit(job) for job in jobs]]
+
+
+EXIT_WITHIN_S = 10.0
+
+
+def _stream(url: str, prompt: str, first_token: threading.Event, outcome: list[str]) -> None:
+    """Stream a long completion; `outcome` gets "finished" (a normal end) or "failed"."""
+    body = {"prompt": prompt, "max_tokens": 4000, "temperature": 0, "stream": True}
+    finished = False
+    try:
+        with (
+            httpx.Client(timeout=60) as client,
+            client.stream("POST", url + "/v1/completions", json=body) as response,
+        ):
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                data = json.loads(line[len("data: ") :])
+                if "error" in data:
+                    break
+                choice = data["choices"][0]
+                if choice["text"]:
+                    first_token.set()
+                if choice.get("finish_reason") in ("stop", "length"):
+                    finished = True
+    except httpx.TransportError:
+        pass  # the connection broke: failed, as long as it did not finish first
+    finally:
+        first_token.set()
+    outcome.append("finished" if finished else "failed")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    return "State:\tZ" in status
+
+
+def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None = None) -> None:
+    """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
+    and every rank exits within `EXIT_WITHIN_S`.
+
+    With `stall_after_s` (the server's --step-timeout), rank 1 is stopped (SIGSTOP)
+    instead: a rank that stops answering. Rank 0's step watchdog declares the engine
+    dead after that long; then rank 1 is killed, as a supervisor would."""
+    pids = server.rank_pids()
+    assert set(pids) == {0, 1}, pids
+    events = [threading.Event(), threading.Event()]
+    outcomes: list[str] = []
+    threads = [
+        threading.Thread(target=_stream, args=(server.url, prompt, event, outcomes))
+        for prompt, event in zip(("A long story:", "Counting: 1, 2,"), events, strict=True)
+    ]
+    for thread in threads:
+        thread.start()
+    for event in events:
+        assert event.wait(60), "no stream started"
+    if stall_after_s is None:
+        os.kill(pids[1], signal.SIGKILL)
+        for thread in threads:
+            thread.join(EXIT_WITHIN_S)
+    else:
+        os.kill(pids[1], signal.SIGSTOP)
+        for thread in threads:
+            thread.join(stall_after_s + EXIT_WITHIN_S)
+        # A stopped process takes no SIGTERM from mlx.launch: the supervisor kills it.
+        os.kill(pids[1], signal.SIGKILL)
+    assert outcomes == ["failed", "failed"]
+    # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
+    assert health(server.url) in (503, None)
+    assert server.proc is not None
+    server.proc.wait(timeout=EXIT_WITHIN_S)
+    assert all(_gone(pid) for pid in pids.values()), pids
+    # mlx.launch names each rank that ended with a non-zero status (or a signal).
+    log = server.log.read_text(errors="replace")
+    assert "Node with rank 0 exited with code" in log or "rank 0 was killed" in log, log[-2000:]
