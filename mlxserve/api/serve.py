@@ -225,7 +225,13 @@ def run(args: argparse.Namespace) -> int:
     if group is not None and group.rank > 0:
         from mlxserve.engine.follower_main import run_follower
 
-        return run_follower(args, group, engine_config(args), sharding_for(args, group))
+        return run_follower(
+            lambda: checked_model_path(args),
+            args.chat_encoder,
+            group,
+            engine_config(args),
+            sharding_for(args, group),
+        )
     try:
         check_versions()
         app, served = build_app(args, group=group)

@@ -8,10 +8,11 @@ that is gone ends it with status 1, so a supervisor (or mlx.launch) sees it.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.distributed import Follower, PeerLost, PlanDesync, PlanGroup, shared_budget
@@ -27,18 +28,27 @@ HEARTBEAT_GRACE_S = 5.0
 
 
 def run_follower(
-    args: argparse.Namespace, group: PlanGroup, config: EngineConfig, sharding: Sharding | None
+    locate: Callable[[], Path],
+    chat_encoder: str,
+    group: PlanGroup,
+    config: EngineConfig,
+    sharding: Sharding | None,
 ) -> int:
-    status = _serve(args, group, config, sharding)
+    """Load this rank's shard of the model `locate` finds (resolved and checked, as rank 0
+    does) and execute rank 0's plans until it stops; exits the process with the status."""
+    status = _serve(locate, chat_encoder, group, config, sharding)
     # The peers may be gone: leave without tearing the group down at interpreter exit.
     logging.shutdown()
     os._exit(status)
 
 
 def _serve(
-    args: argparse.Namespace, group: PlanGroup, config: EngineConfig, sharding: Sharding | None
+    locate: Callable[[], Path],
+    chat_encoder: str,
+    group: PlanGroup,
+    config: EngineConfig,
+    sharding: Sharding | None,
 ) -> int:
-    from mlxserve.api.serve import checked_model_path
     from mlxserve.models import load
     from mlxserve.versions import check_versions
 
@@ -46,9 +56,9 @@ def _serve(
     try:
         # Every rank runs the same forwards: each must have the pinned libraries.
         check_versions()
-        path = checked_model_path(args)
+        path = locate()
         logger.info("loading this rank's shard of %s", path)
-        model = load(path, chat_encoder=args.chat_encoder, shard=sharding, with_tokenizer=False)
+        model = load(path, chat_encoder=chat_encoder, shard=sharding, with_tokenizer=False)
     except (ModelLoadError, ValueError, RuntimeError) as e:
         logger.critical("loading failed: %s", e)
         return 1

@@ -526,6 +526,7 @@ class Runner:
                 if ahead:
                     self.batch.ahead = self._step_ahead(pending, requests, cache)
                 rows = self._take(pending, requests)
+                self._draw_in_flight(requests)
             result.decode_s += time.perf_counter() - started
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
@@ -596,6 +597,16 @@ class Runner:
             following = PendingLogits(logits)
         following.start()
         return following
+
+    def _draw_in_flight(self, requests: list[Request]) -> None:
+        """The step in flight draws once this step's tokens are recorded: start its draw
+        now, so it computes while the engine emits and plans (rows that end here draw
+        a token nobody reads; a complete grammar allows only end-of-sequence)."""
+        ahead = self.batch.ahead
+        if isinstance(ahead, PendingLogits):
+            drawn = self._draw(ahead.logits, requests)
+            drawn.start()
+            self.batch.ahead = drawn
 
     def _take(self, pending: PendingSample, requests: list[Request]) -> list[SampledRow]:
         self._check(faults.SAMPLE, [r.request_id for r in requests])
