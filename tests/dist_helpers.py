@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from api_fixtures import free_port
 
-from mlxserve.bench.distributed import free_port_pair
+from mlxserve.bench.distributed import loopback_launch
 
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 # Stream chunks a client reads before it goes away (abort / disconnect cases).
@@ -41,18 +41,7 @@ class LaunchedServer:
 
     def __init__(self, model: Path, mode: str, *extra: str, log: Path) -> None:
         self.port = free_port()
-        ring_port = free_port_pair()
-        self.argv = [
-            LAUNCH,
-            "--backend",
-            "ring",
-            "-n",
-            "2",
-            "--hosts",
-            "127.0.0.1",
-            "--starting-port",
-            str(ring_port),
-            "--",
+        self.argv = loopback_launch(
             sys.executable,
             "-m",
             "mlxserve.cli",
@@ -67,7 +56,7 @@ class LaunchedServer:
             "--log-level",
             os.environ.get("MLXSERVE_DIST_LOG_LEVEL", "warning"),
             *extra,
-        ]
+        )
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 

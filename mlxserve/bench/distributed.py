@@ -165,20 +165,16 @@ def free_port_pair() -> int:
             return port
 
 
+def loopback_launch(*command: str) -> list[str]:
+    """`mlx.launch` running `command` as two ranks of this machine (ring, 127.0.0.1 only)."""
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    ring = ["--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
+    return [launcher, *ring, "--starting-port", str(free_port_pair()), "--", *command]
+
+
 def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Run the worker on two local ranks; each rank's figures."""
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-    command = [
-        launcher,
-        "--backend",
-        "ring",
-        "-n",
-        "2",
-        "--hosts",
-        "127.0.0.1",
-        "--starting-port",
-        str(free_port_pair()),
-        "--",
+    command = loopback_launch(
         sys.executable,
         "-m",
         "mlxserve.bench.distributed",
@@ -197,7 +193,7 @@ def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[d
         str(args.max_tokens),
         "--vocab",
         str(args.vocab),
-    ]
+    )
     done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"mlx.launch {mode} failed ({done.returncode}): {done.stderr[-3000:]}")
