@@ -48,8 +48,8 @@ def server_health(server: ServedModels) -> tuple[int, dict[str, Any]]:
     return (200 if body["status"] == "ok" else 503), body
 
 
-def cache_stats(state: ServerState) -> dict[str, Any]:
-    stats = state.engine.stats()
+def cache_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    """One model's /v1/cache/stats figures, from its engine's stats."""
     cache = dict(stats.get("prefix_cache") or {})
     cache["enabled"] = bool(stats.get("prefix_cache"))
     cache["disk"] = stats.get("prefix_cache_disk")
@@ -101,11 +101,12 @@ def add_model_routes(app: FastAPI, server: ServedModels) -> None:
     async def _cache_stats(request: Request) -> dict[str, Any]:
         """The default model's prefix-cache figures, and each model's under `models`."""
         check_api_key(request, api_key)
-        default = server.default
-        body = cache_stats(default)
-        body["model"] = default.model_name
-        body["models"] = {s.model_name: cache_stats(s) for s in server.models}
-        pool = default.engine.stats().get("kv_pool")
+        stats = {s.model_name: s.engine.stats() for s in server.models}
+        default = server.default.model_name
+        body = cache_stats(stats[default])
+        body["model"] = default
+        body["models"] = {name: cache_stats(each) for name, each in stats.items()}
+        pool = stats[default].get("kv_pool")
         if pool is not None:
             body["kv_pool"] = pool
         return body
