@@ -31,7 +31,14 @@ from mlxserve.models.synthetic import make_model
 
 FAMILIES = ("deepseek_v4", "qwen3")
 ROUNDS = 3
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+# The string may not close before this many characters, so a constrained request runs
+# to `max_tokens` as a free one does (random weights close a plain string at once).
+MIN_TEXT_CHARS = 4096
+SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "minLength": MIN_TEXT_CHARS}},
+    "required": ["text"],
+}
 
 
 async def stream_times(

@@ -8,28 +8,25 @@ gives the mask of allowed next tokens and consumes the sampled one. When the
 grammar is complete the mask allows only end-of-sequence, so the request
 stops with complete output. Rows without a constraint never touch any of this.
 
-The next mask is computed on a worker thread as soon as a token is consumed
-(llguidance drops the GIL while it computes), so it is ready by the time the
-next forward's logits are: the decode step does not wait on the grammar.
+A step's masks are computed together, when its draw is built (`batch_masks`):
+one llguidance call fills every constrained row's bitmask on its own thread
+pool, without the GIL, while the step's forward runs, and the bits are
+unpacked by mlx beside the draw. (A worker thread per mask, as before, paid
+a GIL hand-over per mask, serially: up to a switch interval each while the
+owner thread built graphs, which a batch of eight felt.)
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from mlxserve.engine.request import Constraint
 
 logger = logging.getLogger(__name__)
-
-# Masks are computed here, off the owner thread; one at a time keeps a step's
-# mask work on one core beside the forward.
-_MASK_WORKER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxserve-grammar")
 
 
 class ConstraintError(RuntimeError):
@@ -44,6 +41,15 @@ class GrammarTokenizer:
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer: Any = None
+        self._executor: Any = None
+
+    def executor(self) -> Any:
+        """llguidance's thread pool for filling a batch's masks (one per model's engine)."""
+        if self._executor is None:
+            import llguidance
+
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def get(self) -> Any:
         if self._tokenizer is None:
@@ -67,52 +73,52 @@ class ConstraintState:
 
     def __init__(self, constraint: Constraint, tokenizer: GrammarTokenizer) -> None:
         import llguidance
-        from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         self._start_after = frozenset(constraint.start_after)
         self.active = not self._start_after
-        self._vocab = tokenizer.vocab_size
-        self._matcher = llguidance.LLMatcher(tokenizer.get(), constraint.grammar, log_level=0)
-        if self._matcher.is_error():
-            raise ConstraintError(f"the grammar failed: {self._matcher.get_error()}")
-        self._mask = allocate_token_bitmask(1, self._vocab)
-        self._fill = fill_next_token_bitmask
-        self._next: Future[None] | None = None
-        if self.active:
-            self._prepare()
-
-    def _prepare(self) -> None:
-        """Start computing the mask for the next token (the matcher is not touched until done)."""
-        self._next = _MASK_WORKER.submit(self._fill, self._matcher, self._mask)
-
-    def _wait(self) -> None:
-        if self._next is not None:
-            next_mask, self._next = self._next, None
-            next_mask.result()
+        self.tokenizer = tokenizer
+        self.matcher = llguidance.LLMatcher(tokenizer.get(), constraint.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")
 
     def allowed(self, vocab_size: int) -> mx.array:
         """A (vocab_size,) bool mask of the tokens the grammar allows next."""
-        if self._next is None:
-            self._prepare()
-        self._wait()
-        words = self._mask.view(np.uint8)[0]
-        bits = np.unpackbits(words, bitorder="little")[: min(self._vocab, vocab_size)]
-        if len(bits) < vocab_size:
-            bits = np.concatenate([bits, np.zeros(vocab_size - len(bits), dtype=np.uint8)])
-        return mx.array(bits.astype(np.bool_))
+        return batch_masks([self], vocab_size)[0]
 
     def advance(self, token: int) -> None:
         """Record the sampled token (it switches the grammar on when it ends reasoning)."""
         if not self.active:
             self.active = token in self._start_after
-            if self.active:
-                self._prepare()
             return
-        self._wait()
-        if self._matcher.is_stopped():
+        if self.matcher.is_stopped():
             return
-        if not self._matcher.consume_token(token):
-            raise ConstraintError(
-                f"the grammar rejected token {token}: {self._matcher.get_error()}"
-            )
-        self._prepare()
+        if not self.matcher.consume_token(token):
+            raise ConstraintError(f"the grammar rejected token {token}: {self.matcher.get_error()}")
+
+
+def batch_masks(states: list[ConstraintState], vocab_size: int) -> mx.array:
+    """(len(states), vocab_size) bool: the tokens each grammar allows next, filled in one
+    call; tokens past the grammar's vocabulary (padding rows of the head) are never allowed."""
+    from llguidance.numpy import (
+        allocate_token_bitmask,
+        fill_next_token_bitmask,
+        fill_next_token_bitmask_par,
+    )
+
+    vocab = states[0].tokenizer.vocab_size
+    bitmask = allocate_token_bitmask(len(states), vocab)
+    if len(states) == 1:
+        fill_next_token_bitmask(states[0].matcher, bitmask)
+    else:
+        rows = [(state.matcher, index) for index, state in enumerate(states)]
+        fill_next_token_bitmask_par(states[0].tokenizer.executor(), rows, bitmask)
+    # Bit i of byte b is token 8 * b + i (llguidance packs little-endian int32 words).
+    # (Arrays are made here, on the calling thread: mlx streams belong to threads.)
+    packed = mx.array(bitmask).view(mx.uint8)
+    shifts = mx.arange(8, dtype=mx.uint8)
+    bits = ((packed[:, :, None] >> shifts) & 1).reshape(len(states), -1)
+    bits = bits[:, : min(vocab, vocab_size)].astype(mx.bool_)
+    if bits.shape[1] < vocab_size:
+        padding = mx.zeros((len(states), vocab_size - bits.shape[1]), dtype=mx.bool_)
+        bits = mx.concatenate([bits, padding], axis=1)
+    return bits

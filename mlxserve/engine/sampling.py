@@ -14,7 +14,7 @@ from typing import cast
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer
+from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer, batch_masks
 from mlxserve.engine.request import SEED_LIMIT, SamplingParams
 
 
@@ -69,15 +69,15 @@ def record_token(state: SamplerState, params: SamplingParams, token: int) -> Non
         state.seen_dirty = True
 
 
-def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
-    """Grammar mask, penalties and logit bias on one (1, V) row of logits."""
+def _process(
+    row: mx.array, params: SamplingParams, state: SamplerState, allowed: mx.array | None
+) -> mx.array:
+    """Grammar mask (`allowed`, (1, V) bool), penalties and logit bias on one (1, V) row."""
     row = row.astype(mx.float32)
-    if state.constrained:
-        assert state.constraint is not None
-        allowed = state.constraint.allowed(row.shape[-1])
+    if allowed is not None:
         # NaN logits (a numerically broken step) would sample an arbitrary, disallowed
         # token; as 0 they leave a uniform choice among the tokens the grammar allows.
-        row = mx.where(allowed[None, :], mx.where(mx.isnan(row), 0.0, row), -mx.inf)
+        row = mx.where(allowed, mx.where(mx.isnan(row), 0.0, row), -mx.inf)
     if params.repetition_penalty != 1.0 and state.seen:
         if state.seen_dirty or state.seen_array is None:
             state.seen_array = mx.array(sorted(state.seen), dtype=mx.int32)
@@ -190,8 +190,10 @@ def sample_lazy(
         return PendingSample(mx.argmax(logits, axis=-1), [None] * len(params_list), params_list)
     picked: list[mx.array] = []
     logprob_rows: list[mx.array | None] = []
+    masks = _grammar_masks(states, logits.shape[-1])
     for index, (params, state) in enumerate(zip(params_list, states, strict=True)):
-        row = _process(logits[index : index + 1], params, state)
+        mask = masks.get(index)
+        row = _process(logits[index : index + 1], params, state, mask)
         logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
         token = mx.argmax(logprobs, axis=-1) if params.greedy else _draw(logprobs, params, state)
         picked.append(token.reshape(1))
@@ -199,12 +201,22 @@ def sample_lazy(
     return PendingSample(mx.concatenate(picked), logprob_rows, params_list)
 
 
+def _grammar_masks(states: list[SamplerState], vocab_size: int) -> dict[int, mx.array]:
+    """Row index -> (1, V) mask of the tokens its grammar allows, for the constrained rows."""
+    rows = [i for i, state in enumerate(states) if state.constrained]
+    if not rows:
+        return {}
+    constraints = [cast(ConstraintState, states[i].constraint) for i in rows]
+    masks = batch_masks(constraints, vocab_size)
+    return {row: masks[j : j + 1] for j, row in enumerate(rows)}
+
+
 def sample_rows(
     logits: mx.array, params_list: list[SamplingParams], states: list[SamplerState]
 ) -> list[SampledRow]:
     """Pick one token per row of (B, V) logits; one mx.eval for the whole batch."""
     if any(s.constrained for s in states):
-        # The forward runs while the grammar masks are finished on their worker.
+        # The forward runs while the grammar masks are filled.
         mx.async_eval(logits)
     return sample_lazy(logits, params_list, states).take()
 

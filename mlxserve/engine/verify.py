@@ -48,7 +48,7 @@ def verify_rows(
     kept: list[list[SampledRow]] = [[] for _ in requests]
     for position in range(logits.shape[1]):
         if any(s.constrained for s in states):
-            mx.async_eval(logits)  # the forward runs while the grammar masks finish
+            mx.async_eval(logits)  # the forward runs while the grammar masks are filled
         drawn = sample_lazy(logits[:, position, :], params, states).take()
         for request, state, row, out in zip(requests, states, drawn, kept, strict=True):
             record_token(state, request.params, row.token)
