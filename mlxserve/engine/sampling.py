@@ -69,15 +69,9 @@ def record_token(state: SamplerState, params: SamplingParams, token: int) -> Non
         state.seen_dirty = True
 
 
-def _process(
-    row: mx.array, params: SamplingParams, state: SamplerState, allowed: mx.array | None
-) -> mx.array:
-    """Grammar mask (`allowed`, (1, V) bool), penalties and logit bias on one (1, V) row."""
+def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
+    """Penalties and logit bias on one (1, V) row of logits (its grammar mask is applied)."""
     row = row.astype(mx.float32)
-    if allowed is not None:
-        # NaN logits (a numerically broken step) would sample an arbitrary, disallowed
-        # token; as 0 they leave a uniform choice among the tokens the grammar allows.
-        row = mx.where(allowed, mx.where(mx.isnan(row), 0.0, row), -mx.inf)
     if params.repetition_penalty != 1.0 and state.seen:
         if state.seen_dirty or state.seen_array is None:
             state.seen_array = mx.array(sorted(state.seen), dtype=mx.int32)
@@ -190,10 +184,10 @@ def sample_lazy(
         return PendingSample(mx.argmax(logits, axis=-1), [None] * len(params_list), params_list)
     picked: list[mx.array] = []
     logprob_rows: list[mx.array | None] = []
-    masks = _grammar_masks(states, logits.shape[-1])
+    masked = _masked_rows(logits, states)
     for index, (params, state) in enumerate(zip(params_list, states, strict=True)):
-        mask = masks.get(index)
-        row = _process(logits[index : index + 1], params, state, mask)
+        row = masked.get(index, logits[index : index + 1])
+        row = _process(row, params, state)
         logprobs = row - mx.logsumexp(row, axis=-1, keepdims=True)
         token = mx.argmax(logprobs, axis=-1) if params.greedy else _draw(logprobs, params, state)
         picked.append(token.reshape(1))
@@ -201,14 +195,20 @@ def sample_lazy(
     return PendingSample(mx.concatenate(picked), logprob_rows, params_list)
 
 
-def _grammar_masks(states: list[SamplerState], vocab_size: int) -> dict[int, mx.array]:
-    """Row index -> (1, V) mask of the tokens its grammar allows, for the constrained rows."""
+def _masked_rows(logits: mx.array, states: list[SamplerState]) -> dict[int, mx.array]:
+    """Row index -> its (1, V) float32 logits under its grammar's mask, for the
+    constrained rows; one mask and one pass over all of them."""
     rows = [i for i, state in enumerate(states) if state.constrained]
     if not rows:
         return {}
     constraints = [cast(ConstraintState, states[i].constraint) for i in rows]
-    masks = batch_masks(constraints, vocab_size)
-    return {row: masks[j : j + 1] for j, row in enumerate(rows)}
+    allowed = batch_masks(constraints, logits.shape[-1])
+    picked = logits if len(rows) == len(states) else logits[mx.array(rows, dtype=mx.int32)]
+    picked = picked.astype(mx.float32)
+    # NaN logits (a numerically broken step) would sample an arbitrary, disallowed
+    # token; as 0 they leave a uniform choice among the tokens the grammar allows.
+    masked = mx.where(allowed, mx.where(mx.isnan(picked), 0.0, picked), -mx.inf)
+    return {row: masked[j : j + 1] for j, row in enumerate(rows)}
 
 
 def sample_rows(
