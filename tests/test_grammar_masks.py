@@ -61,3 +61,19 @@ def test_a_batch_of_masks_equals_each_mask_alone(tokenizer: GrammarTokenizer, pa
     # The states differ, so their masks do (a test of five equal masks proves little).
     assert len(counts) >= 3, counts
     assert not together[:, tokenizer.vocab_size :].any()
+
+
+def test_nan_logits_under_a_grammar_draw_an_allowed_token(tokenizer: GrammarTokenizer) -> None:
+    import mlx.core as mx
+
+    from mlxserve.engine.request import SamplingParams
+    from mlxserve.engine.sampling import SamplerState, sample_lazy
+
+    states = _states_at_different_points(tokenizer)[1:3]
+    samplers = [SamplerState(key=mx.random.key(i), constraint=s) for i, s in enumerate(states)]
+    free = SamplerState(key=mx.random.key(9))
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+    logits = mx.full((3, tokenizer.vocab_size), float("nan"))
+    drawn = sample_lazy(logits, params, [samplers[0], free, samplers[1]]).take()
+    for state, row in zip(states, [drawn[0], drawn[2]], strict=True):
+        assert _one_by_one(state, tokenizer.vocab_size)[row.token], row.token
