@@ -51,6 +51,29 @@ def run_requests(
     return asyncio.run(main())
 
 
+def tokens_and_stats(
+    config: EngineConfig,
+    loader: Callable[[], LoadedModel],
+    jobs: list[tuple[list[int], SamplingParams]],
+    stagger: bool = False,
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Each (prompt, params) job's tokens, run together (or one after another with
+    `stagger`, so each prompt is cached for the next), and the engine's stats after."""
+
+    async def main() -> tuple[list[list[int]], dict[str, Any]]:
+        engine = await started_engine(config, loader)
+        try:
+            if stagger:
+                outs = [await collect(engine.submit(p, params)) for p, params in jobs]
+            else:
+                outs = await asyncio.gather(*(collect(engine.submit(p, s)) for p, s in jobs))
+            return [tokens_of(o) for o in outs], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
 class ModelWrapper:
     """Wraps a model adapter; `check(inputs)` runs before every model call."""
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from engine_helpers import collect, started_engine, tokens_of
+from engine_helpers import started_engine, tokens_and_stats
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import core as engine_core
@@ -123,21 +123,9 @@ def test_drafts_fed_step_by_step_equal_a_fresh_session(mtp_model) -> None:
 
 
 def _run(path: Path, jobs: list[Job], config: EngineConfig, stagger: bool = False) -> Any:
-    async def main() -> tuple[list[list[int]], Any]:
-        engine = await started_engine(config, lambda: load(path))
-        try:
-            if stagger:  # one after another: each one's prompt is cached for the next
-                outs = [await collect(engine.submit(p, params)) for p, params in jobs]
-            else:
-                outs = await asyncio.gather(*(collect(engine.submit(p, s)) for p, s in jobs))
-            stats = engine.stats()
-            return [tokens_of(o) for o in outs], dict(
-                stats["speculative"] or {}, preemptions=stats["preemptions"]
-            )
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    """Tokens, and the drafts' stats with the engine's preemptions."""
+    tokens, stats = tokens_and_stats(config, lambda: load(path), jobs, stagger)
+    return tokens, dict(stats["speculative"] or {}, preemptions=stats["preemptions"])
 
 
 def _check_parity(

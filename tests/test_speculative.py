@@ -10,14 +10,13 @@ lookup (`NgramDrafter`) and the draft pacing are checked on their own.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import pytest
-from engine_helpers import collect, started_engine, tokens_of
+from engine_helpers import tokens_and_stats
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import core as engine_core
@@ -58,18 +57,7 @@ class OracleDrafter:
 
 
 def _run(path: Path, jobs: list[Job], config: EngineConfig, stagger: bool = False) -> Any:
-    async def main() -> tuple[list[list[int]], Any]:
-        engine = await started_engine(config, lambda: load(path))
-        try:
-            if stagger:  # one after another: each one's prompt is cached for the next
-                outs = [await collect(engine.submit(p, params)) for p, params in jobs]
-            else:
-                outs = await asyncio.gather(*(collect(engine.submit(p, s)) for p, s in jobs))
-            return [tokens_of(o) for o in outs], engine.stats()
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    return tokens_and_stats(config, lambda: load(path), jobs, stagger)
 
 
 def _check_parity(
