@@ -10,10 +10,10 @@ stops with complete output. Rows without a constraint never touch any of this.
 
 A step's masks are computed together, when its draw is built (`batch_masks`):
 one llguidance call fills every constrained row's bitmask on its own thread
-pool, without the GIL, while the step's forward runs, and the bits are
-unpacked by mlx beside the draw. (A worker thread per mask, as before, paid
-a GIL hand-over per mask, serially: up to a switch interval each while the
-owner thread built graphs, which a batch of eight felt.)
+pool, without the GIL, while the step's forward runs. (A worker thread per
+mask, as before, paid a GIL hand-over per mask, serially: up to a switch
+interval each while the owner thread built graphs, which a batch of eight
+felt.)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from mlxserve.engine.request import Constraint
 
@@ -112,13 +113,10 @@ def batch_masks(states: list[ConstraintState], vocab_size: int) -> mx.array:
     else:
         rows = [(state.matcher, index) for index, state in enumerate(states)]
         fill_next_token_bitmask_par(states[0].tokenizer.executor(), rows, bitmask)
-    # Bit i of byte b is token 8 * b + i (llguidance packs little-endian int32 words).
-    # (Arrays are made here, on the calling thread: mlx streams belong to threads.)
-    packed = mx.array(bitmask).view(mx.uint8)
-    shifts = mx.arange(8, dtype=mx.uint8)
-    bits = ((packed[:, :, None] >> shifts) & 1).reshape(len(states), -1)
-    bits = bits[:, : min(vocab, vocab_size)].astype(mx.bool_)
-    if bits.shape[1] < vocab_size:
-        padding = mx.zeros((len(states), vocab_size - bits.shape[1]), dtype=mx.bool_)
-        bits = mx.concatenate([bits, padding], axis=1)
-    return bits
+    # Unpacked on the host in one small numpy pass (llguidance packs little-endian
+    # int32 words); mlx would take three elementwise passes over every bit.
+    vocab_bits = min(vocab, vocab_size)
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab_bits, bitorder="little")
+    if vocab_bits < vocab_size:
+        bits = np.pad(bits, ((0, 0), (0, vocab_size - vocab_bits)))
+    return mx.array(bits.view(np.bool_))

@@ -204,11 +204,16 @@ def _masked_rows(logits: mx.array, states: list[SamplerState]) -> dict[int, mx.a
     constraints = [cast(ConstraintState, states[i].constraint) for i in rows]
     allowed = batch_masks(constraints, logits.shape[-1])
     picked = logits if len(rows) == len(states) else logits[mx.array(rows, dtype=mx.int32)]
-    picked = picked.astype(mx.float32)
-    # NaN logits (a numerically broken step) would sample an arbitrary, disallowed
-    # token; as 0 they leave a uniform choice among the tokens the grammar allows.
-    masked = mx.where(allowed, mx.where(mx.isnan(picked), 0.0, picked), -mx.inf)
+    masked = _apply_mask(allowed, picked.astype(mx.float32))
     return {row: masked[j : j + 1] for j, row in enumerate(rows)}
+
+
+@mx.compile
+def _apply_mask(allowed: mx.array, logits: mx.array) -> mx.array:
+    """Disallowed tokens to -inf, in one fused pass. NaN logits (a numerically broken
+    step) would sample an arbitrary, disallowed token; as 0 they leave a uniform
+    choice among the tokens the grammar allows."""
+    return mx.where(allowed, mx.where(mx.isnan(logits), 0.0, logits), -mx.inf)
 
 
 def sample_rows(
