@@ -1,8 +1,8 @@
 """`mlxserve bench structured`: the cost of constrained decoding, side by side.
 
-The same requests run free and under a JSON-schema grammar (a string field the
-random-weight model never closes, so both sides produce the same number of
-tokens) at 1 and 8 concurrent requests, alternating sides each round, on the
+The same requests run free and under a JSON-schema grammar (a string field
+that may not close before 4096 characters, so both sides produce the same
+number of tokens) at 1 and 8 concurrent requests, alternating sides each round, on the
 tiny DeepSeek-V4 and Qwen3 checkpoints. Figures: `constrained_over_free_1`,
 `constrained_over_free_8` (aggregate decode tokens/s, constrained over free;
 the worst family) and `mask_ms_p99` (one grammar mask, measured alone).
