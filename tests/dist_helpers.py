@@ -121,7 +121,8 @@ def health(url: str) -> int | None:
         return None
 
 
-LONG_PROMPT = " ".join(f"item {i} of the list, then" for i in range(50))
+# About 320 tokens: six chunks of a 64-token step beside three decoding rows.
+LONG_PROMPT = " ".join(f"item {i} of the list, then" for i in range(40))
 SHORT_PROMPTS = ("The quick brown fox", "Once upon a time in a land", "1, 2, 3, 4,")
 TOOL = {
     "type": "function",
