@@ -39,10 +39,14 @@ pytestmark = [
     pytest.mark.skipif(not launch_available(), reason="mlx.launch is not installed"),
 ]
 
-# Small steps so the long prompt prefills in several chunks beside the others' decode.
-SERVE_EXTRA = ("--max-num-batched-tokens", "32")
-# The pipeline llama server's step watchdog (its rank 1 is stopped at the end).
-STALL_TIMEOUT_S = 15.0
+# Small steps so the long prompt prefills in several chunks beside the others' decode
+# (each step of a distributed server costs collectives: no more steps than that proves).
+SERVE_EXTRA = ("--max-num-batched-tokens", "64")
+# The pipeline llama server's step watchdog (its rank 1 is stopped at the end). Its
+# steps take well under a second here (at most 0.75 s seen at a load average of 5.6 on
+# this 2-core machine, 0.16 s at 3) and no step builds a grammar tokenizer any more:
+# 5 s leaves several times the worst step seen, and the stall is still caught at once.
+STALL_TIMEOUT_S = 5.0
 NEAR_TIE = 1e-3
 FAMILY_MODES = [
     ("llama", "pipeline"),

@@ -1,12 +1,16 @@
 """Constrained decoding on the owner thread: one llguidance matcher per request.
 
 `GrammarTokenizer` builds llguidance's view of the model's vocabulary once
-(about a second for DeepSeek-V4's 129k tokens, so only when the first
-constrained request arrives). `ConstraintState` follows one request: until a
-`start_after` token is sampled it lets everything through; then each step it
-gives the mask of allowed next tokens and consumes the sampled one. When the
-grammar is complete the mask allows only end-of-sequence, so the request
-stops with complete output. Rows without a constraint never touch any of this.
+(about a second for DeepSeek-V4's 129k tokens, holding the GIL most of that
+time). The engine starts the build as the model loads (`prepare`), beside its
+memory probe, so no step and no request waits for it; engines of one process
+whose tokenizer files hold the same bytes share one build.
+
+`ConstraintState` follows one request: until a `start_after` token is sampled
+it lets everything through; then each step it gives the mask of allowed next
+tokens and consumes the sampled one. When the grammar is complete the mask
+allows only end-of-sequence, so the request stops with complete output. Rows
+without a constraint never touch any of this.
 
 A step's masks are computed together, when its draw is built (`batch_masks`):
 one llguidance call fills every constrained row's bitmask on its own thread
@@ -18,7 +22,10 @@ felt.)
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +42,19 @@ class ConstraintError(RuntimeError):
 
 
 class GrammarTokenizer:
-    """llguidance's tokenizer for one model (built on first use)."""
+    """llguidance's tokenizer for one model (built by `prepare`, or on first use)."""
 
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_id: int) -> None:
         self._path = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
-        self._tokenizer: Any = None
+        self._build: Future[Any] | None = None
         self._executor: Any = None
+
+    def prepare(self) -> None:
+        """Start building it on a thread of its own (once; `get` waits for it)."""
+        if self._build is None:
+            self._build = _shared_build(self._path, self.vocab_size, self.eos_token_id)
 
     def executor(self) -> Any:
         """llguidance's thread pool for filling a batch's masks (one per model's engine)."""
@@ -53,20 +65,52 @@ class GrammarTokenizer:
         return self._executor
 
     def get(self) -> Any:
-        if self._tokenizer is None:
-            import llguidance
+        """The tokenizer; ConstraintError if it cannot be built."""
+        self.prepare()
+        assert self._build is not None
+        return self._build.result()
 
-            if not self._path.is_file():
-                raise ConstraintError(
-                    f"structured output needs {self._path.name} next to the model"
-                )
-            self._tokenizer = llguidance.LLTokenizer(
-                self._path.read_text(encoding="utf-8"),
-                n_vocab=self.vocab_size,
-                eos_token=self.eos_token_id,
+
+# Builds by (tokenizer file digest, vocabulary size, end token): one per distinct tokenizer.
+_BUILDS: dict[tuple[str, int, int], Future[Any]] = {}
+_BUILDS_LOCK = threading.Lock()
+
+
+def _shared_build(path: Path, vocab_size: int, eos_token_id: int) -> Future[Any]:
+    """This tokenizer's build: the one under way or done, or a new one on its own thread."""
+    build: Future[Any] = Future()
+    try:
+        text = path.read_bytes()
+    except OSError:
+        build.set_exception(
+            ConstraintError(f"structured output needs {path.name} next to the model")
+        )
+        return build
+    key = (hashlib.sha256(text).hexdigest(), vocab_size, eos_token_id)
+    with _BUILDS_LOCK:
+        if key in _BUILDS:
+            return _BUILDS[key]
+        _BUILDS[key] = build
+
+    def run() -> None:
+        import llguidance
+
+        try:
+            tokenizer = llguidance.LLTokenizer(
+                text.decode("utf-8"), n_vocab=vocab_size, eos_token=eos_token_id
             )
-            logger.info("built the grammar tokenizer (%d tokens)", self.vocab_size)
-        return self._tokenizer
+            logger.info("built the grammar tokenizer (%d tokens)", vocab_size)
+            build.set_result(tokenizer)
+        except (ValueError, RuntimeError, UnicodeDecodeError) as e:
+            error = ConstraintError(f"the grammar tokenizer could not be built: {e}")
+            error.__cause__ = e
+            build.set_exception(error)
+        finally:
+            if not build.done():  # anything else still resolves it (get() never hangs)
+                build.set_exception(ConstraintError("building the grammar tokenizer failed"))
+
+    threading.Thread(target=run, name="mlxserve-grammar-tokenizer", daemon=True).start()
+    return build
 
 
 class ConstraintState:

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.constraint import ConstraintError
 from mlxserve.engine.distributed import PeerLost
 from mlxserve.engine.drafting import Speculator, make_speculator
 from mlxserve.engine.faults import FaultHook
@@ -232,9 +233,12 @@ class EngineCore:
         self.runner = Runner(model, self._fault, decode_ahead=publisher is None)
         if publisher is not None and self.prefix_cache is not None:
             self.prefix_cache.observer = publisher
+        # Built beside the memory probe, so no step (and no request) waits for it.
+        self.runner.grammar.prepare()
         # Before the budget is measured: an MTP head's weights come out of it.
         speculator = self._speculator(model, self.runner)
         self.memory = self._measure_memory(model, self.runner)
+        self._await_grammar(self.runner)
         self.scheduler = Scheduler(
             self.config,
             model.eos_token_ids,
@@ -247,6 +251,14 @@ class EngineCore:
             speculator=speculator,
         )
         logger.info("engine ready in %.1f s", time.monotonic() - started)
+
+    @staticmethod
+    def _await_grammar(runner: Runner) -> None:
+        """Ready only once the grammar tokenizer is: a model without one still serves."""
+        try:
+            runner.grammar.get()
+        except ConstraintError as e:
+            logger.info("structured output is not available for this model: %s", e)
 
     def _speculator(self, model: LoadedModel, runner: Runner) -> Speculator | None:
         """The drafter for `--speculative`, where this model's caches can be cut back:
