@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,17 @@ def test_bench_structured_reports_its_keys(tmp_path: Path) -> None:
     figures = json.loads(out.read_text())["figures"]
     for key in ("constrained_over_free_1", "constrained_over_free_8", "mask_ms_p99"):
         assert figures[key] > 0
+    # Each family's figure is the median of its rounds' ratios; the headline, the worst.
+    for n in (1, 8):
+        medians = []
+        for family in ("deepseek_v4", "qwen3"):
+            rounds = figures[f"{family}_rounds_{n}"]
+            assert len(rounds) == 5
+            assert figures[f"{family}_constrained_over_free_{n}"] == pytest.approx(
+                statistics.median(rounds), abs=1e-3
+            )
+            medians.append(figures[f"{family}_constrained_over_free_{n}"])
+        assert figures[f"constrained_over_free_{n}"] == min(medians)
 
 
 def test_bench_speculative_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
