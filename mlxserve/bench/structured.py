@@ -34,7 +34,7 @@ from mlxserve.models.load import load
 from mlxserve.models.synthetic import make_model
 
 FAMILIES = ("deepseek_v4", "qwen3")
-# Per-round ratios swing by about 10% on a shared 2-core machine: five rounds give
+# Single rounds' ratios swing by 10-25% on a shared 2-core machine: five rounds give
 # a median that one slow round cannot move.
 ROUNDS = 5
 # The string may not close before this many characters, so a constrained request runs
@@ -104,7 +104,7 @@ async def _family(path: Path, tokens: int) -> dict[str, Any]:
     constrained = SamplingParams(max_tokens=tokens, temperature=1.0, seed=1, constraint=grammar)
     out: dict[str, Any] = {}
     try:
-        await _rate(engine, 1, constrained)  # warm-up: builds the grammar tokenizer
+        await _rate(engine, 1, constrained)  # warm-up: the first grammar, the first steps
         for concurrency in (1, 8):
             ratios = [
                 await _round_ratio(engine, concurrency, free, constrained, constrained_first)
