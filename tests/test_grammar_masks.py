@@ -1,4 +1,4 @@
-"""`batch_masks`: a batch's grammar masks, filled in one call and unpacked by mlx,
+"""`batch_masks`: a batch's grammar masks, filled in one call and unpacked together,
 equal each matcher's own bitmask unpacked one row at a time."""
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def record_token(state: SamplerState, params: SamplingParams, token: int) -> Non
 
 
 def _process(row: mx.array, params: SamplingParams, state: SamplerState) -> mx.array:
-    """Penalties and logit bias on one (1, V) row of logits (its grammar mask is applied)."""
+    """Penalties and logit bias on one (1, V) row of logits (a grammar row arrives
+    already masked by `_masked_rows`)."""
     row = row.astype(mx.float32)
     if params.repetition_penalty != 1.0 and state.seen:
         if state.seen_dirty or state.seen_array is None:
