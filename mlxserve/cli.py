@@ -305,7 +305,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--prefix-cache-entries",
         type=int,
         default=16,
-        help="the server's prefix-cache entries (full by the warm point, so RSS growth is a leak)",
+        help="the server's prefix-cache entries (growth is judged once they are full)",
+    )
+    p.add_argument(
+        "--sample-every", type=float, default=30.0, help="seconds between memory samples"
     )
     p.set_defaults(handler="mlxserve.bench.soak:run")
 

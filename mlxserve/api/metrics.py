@@ -44,8 +44,10 @@ class _EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.models: list[ModelStats] = []
+        self.server: dict[str, int] = {}
 
     def collect(self) -> Iterator[Family]:
+        yield from _server_families(self.server)
         families: dict[str, Family] = {}
         for name, stats, ready in self.models:
             for family in _model_families(stats, ready):
@@ -60,6 +62,21 @@ def _labelled(family: Family) -> Family:
     """An empty family like `family` (its samples get the model label as they are added)."""
     kind = GaugeMetricFamily if isinstance(family, GaugeMetricFamily) else CounterMetricFamily
     return kind(family.name, family.documentation, labels=())
+
+
+_SERVER_GAUGES = {
+    "process_resident_bytes": "Resident memory of the server process now.",
+    "process_peak_resident_bytes": "Largest resident memory of the server process so far.",
+    "responses_stored": "Responses kept for previous_response_id and GET /v1/responses.",
+    "responses_stored_bytes": "Bytes of the stored responses (their JSON).",
+}
+
+
+def _server_families(figures: dict[str, int]) -> Iterator[Family]:
+    """Figures of the whole process, not of one model (so without the model label)."""
+    for key, text in _SERVER_GAUGES.items():
+        if key in figures:
+            yield _gauge(f"{PREFIX}_{key}", text, figures[key])
 
 
 def _model_families(stats: dict[str, Any], ready: bool) -> Iterator[Family]:
@@ -84,6 +101,16 @@ def _model_families(stats: dict[str, Any], ready: bool) -> Iterator[Family]:
         f"{p}_mlx_cache_bytes",
         "Bytes of freed buffers MLX keeps for reuse.",
         _num(stats, "mlx_cache_bytes"),
+    )
+    yield _gauge(
+        f"{p}_mlx_peak_bytes",
+        "Largest bytes of MLX arrays alive at once so far.",
+        _num(stats, "mlx_peak_bytes"),
+    )
+    yield _gauge(
+        f"{p}_requests_live",
+        "Requests the server still holds (in flight; a leak shows here as growth at rest).",
+        _num(stats, "live_requests"),
     )
     for key in ("hits", "misses", "tokens_reused"):
         yield CounterMetricFamily(
@@ -204,9 +231,11 @@ class Metrics:
     def for_model(self, name: str) -> ModelMetrics:
         return ModelMetrics(self, name)
 
-    def render(self, models: list[ModelStats]) -> str:
-        """The text exposition (format 0.0.4) with each model's (name, engine stats, ready)."""
+    def render(self, models: list[ModelStats], server: dict[str, int] | None = None) -> str:
+        """The text exposition (format 0.0.4) with each model's (name, engine stats, ready)
+        and the process's own figures (`server`: memory, stored responses)."""
         self._engine.models = [(name, dict(stats or {}), ready) for name, stats, ready in models]
+        self._engine.server = dict(server or {})
         return generate_latest(self.registry).decode("utf-8")
 
 

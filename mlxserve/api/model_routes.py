@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from mlxserve.api.errors import APIError, check_api_key
 from mlxserve.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from mlxserve.api.models import ServedModels
+from mlxserve.api.process_memory import process_memory
 from mlxserve.api.state import ServerState
 
 # /health's status words, best first: several models answer with the worst.
@@ -48,12 +49,34 @@ def server_health(server: ServedModels) -> tuple[int, dict[str, Any]]:
     return (200 if body["status"] == "ok" else 503), body
 
 
-def cache_stats(stats: dict[str, Any]) -> dict[str, Any]:
-    """One model's /v1/cache/stats figures, from its engine's stats."""
+_MEMORY_KEYS = ("mlx_active_bytes", "mlx_cache_bytes", "mlx_peak_bytes", "live_requests")
+
+
+def cache_stats(stats: dict[str, Any], process: dict[str, int]) -> dict[str, Any]:
+    """One model's /v1/cache/stats figures, from its engine's stats; `memory` adds
+    the process's figures, so growth shows beside what the model accounts for."""
     cache = dict(stats.get("prefix_cache") or {})
     cache["enabled"] = bool(stats.get("prefix_cache"))
     cache["disk"] = stats.get("prefix_cache_disk")
+    memory = {key: stats.get(key, 0) for key in _MEMORY_KEYS}
+    memory["prefix_cache_bytes"] = cache.get("bytes", 0)
+    cache["memory"] = {**process, **memory}
     return cache
+
+
+def model_stats(state: ServerState) -> dict[str, Any]:
+    """The engine's figures, and the runs the api layer still holds."""
+    return {**state.engine.stats(), "live_requests": len(state.live_runs)}
+
+
+def process_figures(app: FastAPI) -> dict[str, int]:
+    """The process's memory and the shared store of responses."""
+    figures = process_memory()
+    responses = getattr(app.state, "responses", None)
+    if responses is not None:
+        figures["responses_stored"] = len(responses.store)
+        figures["responses_stored_bytes"] = responses.store.nbytes
+    return figures
 
 
 def add_model_routes(app: FastAPI, server: ServedModels) -> None:
@@ -101,11 +124,12 @@ def add_model_routes(app: FastAPI, server: ServedModels) -> None:
     async def _cache_stats(request: Request) -> dict[str, Any]:
         """The default model's prefix-cache figures, and each model's under `models`."""
         check_api_key(request, api_key)
-        stats = {s.model_name: s.engine.stats() for s in server.models}
+        stats = {s.model_name: model_stats(s) for s in server.models}
+        process = process_figures(app)
         default = server.default.model_name
-        body = cache_stats(stats[default])
+        body = cache_stats(stats[default], process)
         body["model"] = default
-        body["models"] = {name: cache_stats(each) for name, each in stats.items()}
+        body["models"] = {name: cache_stats(each, process) for name, each in stats.items()}
         pool = stats[default].get("kv_pool")
         if pool is not None:
             body["kv_pool"] = pool
@@ -113,6 +137,6 @@ def add_model_routes(app: FastAPI, server: ServedModels) -> None:
 
     @app.get("/metrics")
     async def _metrics() -> Response:
-        models = [(s.model_name, s.engine.stats(), s.engine.ready) for s in server.models]
-        text = server.metrics.render(models)
+        models = [(s.model_name, model_stats(s), s.engine.ready) for s in server.models]
+        text = server.metrics.render(models, process_figures(app))
         return Response(text, media_type=METRICS_CONTENT_TYPE)

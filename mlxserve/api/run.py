@@ -83,6 +83,7 @@ class GenerationRun:
         self.outcome = "aborted"
         self.engine_finished = False
         self._aborted = False
+        state.live_runs.add(self)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         """Pipeline output until the request finishes; aborts it if left early."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -90,6 +91,8 @@ class ServerState:
     on_engine_failure: Callable[[str], None] | None = None
     # Called once with the reason when the model fails to load at start (`serve` exits).
     on_load_failure: Callable[[str], None] | None = None
+    # Every run of this model not yet garbage collected: in flight, or leaked (/metrics).
+    live_runs: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     _parsers: ParserSpec | None = None
     _context_limit: int | None = None
 

@@ -12,16 +12,18 @@ first token, or sends a request the server must refuse. Reported:
   `disconnects`, `unexpected_errors` (anything else that was not a clean answer);
 - `hit_ratio`: turns after a session's first whose prompt reused a cached prefix;
 - `ttft_p50`, `ttft_p99` (s);
-- `rss_start_mb`, `rss_warm_mb` (after the first fifth of the run), `rss_end_mb`,
-  `rss_growth` (end over warm).
+- the server's resident memory, sampled every `--sample-every` seconds (30):
+  `rss_start_mb`, `rss_warm_mb`, `rss_end_mb`, `rss_growth` (end over warm),
+  `rss_slope_mb_per_min` (least-squares slope from the warm point on),
+  `rss_longest_flat_min` (the longest stretch within 1% of its start) and the
+  series itself, `rss_series_mb`.
 
-The server's prefix cache holds `--prefix-cache-entries` entries (16 by default
-here, against the server's 64): the agents fill that many in the first fifth,
-so `rss_growth` compares two points where every bounded store is full and
-measures what a leak would add. At 64 the cache was still filling at the warm
-point (25 of 64 entries in one run) and its growth up to its cap, by design,
-was most of the figure; the entry counts and bytes at both points are
-reported either way.
+The warm point is a third of the way in (so a 30-minute run is judged on its
+last 20 minutes), or the moment the prefix cache first held
+`--prefix-cache-entries` entries (`prefix_cache_filled_min`) if that is later:
+growth up to the cache's cap is by design, growth after it is a leak. The
+cache holds 16 entries by default here, against the server's 64; at 64 the
+agents take longer to fill it, and the bench says when they did (-1: never).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any
 import httpx
 
 from mlxserve.bench.report import emit
+from mlxserve.bench.rss_series import Sample, after, longest_flat_minutes, slope_mb_per_min
 
 MODEL = "bench"  # the name `LocalServer` serves
 TURNS_PER_SESSION = 6
@@ -262,16 +265,64 @@ def _rss_mb(pid: int) -> float:
     return int(out.stdout.strip() or 0) / 1024
 
 
+@dataclass
+class MemorySeries:
+    """The server's resident memory and prefix-cache fill, sampled while agents run."""
+
+    capacity: int  # the prefix cache's entries when full
+    rss: list[Sample] = field(default_factory=list)
+    filled_min: float | None = None  # when the prefix cache first held `capacity` entries
+
+    async def sample_until(
+        self, url: str, pid: int, started: float, every_s: float, done: asyncio.Event
+    ) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            while True:
+                minute = (time.monotonic() - started) / 60
+                self.rss.append((minute, _rss_mb(pid)))
+                entries = (await http.get("/v1/cache/stats")).json().get("entries", 0)
+                if self.filled_min is None and entries >= self.capacity:
+                    self.filled_min = minute
+                try:
+                    await asyncio.wait_for(done.wait(), timeout=every_s)
+                    return
+                except TimeoutError:
+                    continue
+
+    def figures(self, minutes: float) -> dict[str, Any]:
+        """Growth and slope from the warm point: a third of the way in (so the last
+        two thirds, 20 minutes of a 30-minute run, are judged), or once the prefix
+        cache has filled if that is later (its growth up to its cap is by design)."""
+        warm = max(minutes / 3, self.filled_min if self.filled_min is not None else 0.0)
+        judged = after(self.rss, warm) or self.rss[-1:]
+        return {
+            "rss_samples": len(self.rss),
+            "prefix_cache_filled_min": self.filled_min if self.filled_min is not None else -1,
+            "warm_min": warm,
+            "rss_warm_mb": judged[0][1],
+            "rss_growth": self.rss[-1][1] / judged[0][1] if judged[0][1] else 0.0,
+            "rss_slope_mb_per_min": slope_mb_per_min(judged),
+            "rss_slope_window_min": judged[-1][0] - judged[0][0],
+            "rss_longest_flat_min": longest_flat_minutes(self.rss),
+            "rss_series_mb": [round(mb, 1) for _, mb in self.rss],
+        }
+
+
 async def _drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
-    rss_start = _rss_mb(pid)
+    series = MemorySeries(capacity=args.prefix_cache_entries)
     started = time.monotonic()
     deadline = started + args.minutes * 60
+    done = asyncio.Event()
+    sampler = asyncio.create_task(series.sample_until(url, pid, started, args.sample_every, done))
     agents = [asyncio.create_task(_agent(i, url, deadline, tally)) for i in range(args.agents)]
-    await asyncio.sleep(args.minutes * 60 / 5)
-    rss_warm, cache_warm = _rss_mb(pid), _cache_stats(url)
+    await asyncio.sleep(args.minutes * 60 / 3)
+    cache_warm = _cache_stats(url)
     await asyncio.gather(*agents)
-    rss_end, cache_end = _rss_mb(pid), _cache_stats(url)
+    done.set()
+    await sampler
+    series.rss.append(((time.monotonic() - started) / 60, _rss_mb(pid)))
+    cache_end = _cache_stats(url)
     ttfts = sorted(tally.ttfts) or [0.0]
     return {
         "minutes": args.minutes,
@@ -285,10 +336,9 @@ async def _drive(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]
         "hit_ratio": tally.hits / tally.later_turns if tally.later_turns else 0.0,
         "ttft_p50": statistics.median(ttfts),
         "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        "rss_start_mb": rss_start,
-        "rss_warm_mb": rss_warm,
-        "rss_end_mb": rss_end,
-        "rss_growth": rss_end / rss_warm if rss_warm else 0.0,
+        "rss_start_mb": series.rss[0][1],
+        "rss_end_mb": series.rss[-1][1],
+        **series.figures(args.minutes),
         # What the bounded caches held then: growth there is a cache filling up.
         "prefix_cache_entries_warm": cache_warm.get("entries", 0),
         "prefix_cache_entries_end": cache_end.get("entries", 0),

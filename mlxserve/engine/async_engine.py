@@ -271,6 +271,7 @@ class AsyncEngine:
             "kv_cache_bytes": core.kv_bytes,
             "mlx_active_bytes": core.mlx_active_bytes,
             "mlx_cache_bytes": core.mlx_cache_bytes,
+            "mlx_peak_bytes": core.mlx_peak_bytes,
         }
         if scheduler is not None:
             stats.update(asdict(scheduler.counters))

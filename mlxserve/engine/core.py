@@ -132,6 +132,7 @@ class EngineCore:
         self.peak_cache_bytes = 0
         self.mlx_active_bytes = 0
         self.mlx_cache_bytes = 0
+        self.mlx_peak_bytes = 0
 
     # -- called from other threads -----------------------------------------
     def start(self) -> None:
@@ -473,6 +474,7 @@ class EngineCore:
         # What MLX's allocator holds: arrays alive, and freed buffers kept for reuse.
         self.mlx_active_bytes = int(mx.get_active_memory())
         self.mlx_cache_bytes = int(mx.get_cache_memory())
+        self.mlx_peak_bytes = int(mx.get_peak_memory())
 
     def _handle_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts; False when asked to stop."""

@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxserve.models import cpu_head
+from mlxserve.models.compile_scope import uncompiled_unless_bounded
 
 # mlx-lm families whose __call__ is exactly `head(model.model(inputs, cache))`,
 # so the head can be applied to the last position alone.
@@ -49,6 +50,12 @@ class ModelAdapter:
         """(B, L, V) logits. With `sink` (DeepSeek-V4 only), the last hidden states
         before the hyper-connection head, (B, L, hc_mult, hidden), are appended to
         it: what the checkpoint's MTP head reads (`models/mtp.py`)."""
+        with uncompiled_unless_bounded(inputs.shape[1]):
+            return self._logits(inputs, cache, sink)
+
+    def _logits(
+        self, inputs: mx.array, cache: list[Any] | None, sink: list[Any] | None
+    ) -> mx.array:
         if sink is not None:
             self._check_sink()
             return self.module(inputs, cache=cache, hidden_sink=sink).logits
@@ -63,6 +70,12 @@ class ModelAdapter:
         self, inputs: mx.array, cache: list[Any] | None = None, sink: list[Any] | None = None
     ) -> mx.array:
         """Logits of the last input position of each row, shape (B, V); `sink` as above."""
+        with uncompiled_unless_bounded(inputs.shape[1]):
+            return self._last_logits(inputs, cache, sink)
+
+    def _last_logits(
+        self, inputs: mx.array, cache: list[Any] | None, sink: list[Any] | None
+    ) -> mx.array:
         if sink is not None:
             self._check_sink()
         if self._is_vlm_v4:
@@ -77,7 +90,7 @@ class ModelAdapter:
             else:
                 logits = self.module.lm_head(hidden)
             return logits[:, -1, :]
-        return self(inputs, cache)[:, -1, :]
+        return self._logits(inputs, cache, None)[:, -1, :]
 
     def make_cache(self) -> list[Any]:
         if self._is_vlm_v4:
