@@ -354,6 +354,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--file-tokens", type=int, default=400, help="the file the reply re-emits")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="only the trained demo model (SmolLM2-135M, fetched once) re-emitting an edited "
+        "file: tokens_per_forward_real_copy, acceptance_real_copy, parity_real_copy",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.speculative:run")
 
