@@ -11,10 +11,12 @@ a Q4_1 file) and the tokenizer files (`gguf_tokenizer.py`) into a folder of
 the user's cache, named by the file's path, size and modification time, and
 every later start reuses it.
 
-MLX casts every other tensor type (the K-quants, IQ types, Q5_0, ...) to
-float16, which would silently grow a 4-bit file four times. Those are refused
-with their types named, unless the caller asks for `requantize_bits`: then
-their float16 values are quantized again to MLX affine 4 or 8-bit.
+MLX reads no other tensor type as it is (the K-quants, IQ types, Q5_0, ...:
+it casts some to float16, which would silently grow a 4-bit file four times,
+and fails on others). Those are refused with their types named, unless the
+caller asks for `requantize_bits`: then every tensor is dequantized by the
+`gguf` package and each quantized matrix quantized again to MLX affine 4 or
+8-bit.
 
 llama.cpp stores llama's (and Mistral's) q/k projections permuted for
 interleaved rotary embeddings; mlx-lm's llama serves them as they are with
@@ -210,13 +212,16 @@ def convert_gguf(
 def _write_checkpoint(header: GGUFHeader, requantize_bits: int | None, out: Path) -> None:
     import mlx.core as mx
 
-    try:
-        loaded: Any = mx.load(str(header.path), return_metadata=True)
-    except (RuntimeError, ValueError, OSError) as e:
-        raise ModelLoadError(f"cannot read {header.path}: {e}") from e
-    raw, metadata = loaded
-    types = {t.name: t.type_name for t in header.tensors}
-    weights, bits = _mlx_weights(raw, types, requantize_bits)
+    if requantize_bits is None:
+        try:
+            loaded: Any = mx.load(str(header.path), return_metadata=True)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ModelLoadError(f"cannot read {header.path}: {e}") from e
+        raw, metadata = loaded
+        types = {t.name: t.type_name for t in header.tensors}
+        weights, bits = _mlx_weights(raw, types)
+    else:
+        weights, bits, metadata = _requantized(header.path, requantize_bits)
     tokenizer = write_tokenizer(metadata, header.architecture, out)
     config = _config(metadata, header, bits, tokenizer)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -226,11 +231,9 @@ def _write_checkpoint(header: GGUFHeader, requantize_bits: int | None, out: Path
 
 
 def _mlx_weights(
-    raw: dict[str, Any], types: dict[str, str], requantize_bits: int | None
+    raw: dict[str, Any], types: dict[str, str]
 ) -> tuple[dict[str, Any], dict[str, int]]:
-    """Weights under mlx-lm's names, and the bits of each quantized module."""
-    import mlx.core as mx
-
+    """mx.load's tensors under mlx-lm's names, and the bits of each quantized module."""
     weights: dict[str, Any] = {}
     bits: dict[str, int] = {}
     for name, array in raw.items():
@@ -239,18 +242,43 @@ def _mlx_weights(
             raise ModelLoadError(f"GGUF tensor {name} has no counterpart in mlx-lm")
         weights[target] = array
         stem, _, suffix = name.rpartition(".")
-        module = target.rpartition(".")[0]
         type_name = types.get(f"{stem}.weight", "F32")
         if suffix == "weight" and type_name in QUANTIZED_BITS:
-            bits[module] = QUANTIZED_BITS[type_name]
-        elif suffix == "weight" and type_name not in NATIVE_TYPES and array.ndim == 2:
-            # mx.load gave float16 values; quantize them as MLX does (requantize_bits is set,
-            # check_header refused the file otherwise).
-            assert requantize_bits is not None
+            bits[target.rpartition(".")[0]] = QUANTIZED_BITS[type_name]
+    return weights, bits
+
+
+def _requantized(
+    path: Path, requantize_bits: int
+) -> tuple[dict[str, Any], dict[str, int], dict[str, Any]]:
+    """Every tensor through the `gguf` package's dequantizer (MLX reads only some types),
+    quantized matrices quantized again to MLX affine `requantize_bits`, one at a time;
+    with the metadata, as mx.load would give it."""
+    import mlx.core as mx
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(path)
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    weights: dict[str, Any] = {}
+    bits: dict[str, int] = {}
+    for tensor in reader.tensors:
+        target = mlx_name(tensor.name)
+        assert target is not None  # check_header refused the file otherwise
+        kind = tensor.tensor_type.name
+        values = dequantize(tensor.data, tensor.tensor_type)
+        array = mx.array(values.reshape(tuple(int(d) for d in reversed(tensor.shape))))
+        if kind in ("F16", "BF16"):
+            array = array.astype(mx.float16 if kind == "F16" else mx.bfloat16)
+        if kind not in ("F32", "F16", "BF16") and array.ndim == 2:
+            module = target.rpartition(".")[0]
             wq, scales, biases = mx.quantize(array, group_size=GROUP_SIZE, bits=requantize_bits)
+            mx.eval(wq, scales, biases)
             weights.update({target: wq, f"{module}.scales": scales, f"{module}.biases": biases})
             bits[module] = requantize_bits
-    return weights, bits
+        else:
+            weights[target] = array
+    return weights, bits, metadata
 
 
 def _quantization(bits: dict[str, int]) -> dict[str, Any] | None:
