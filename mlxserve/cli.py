@@ -385,7 +385,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="mlxserve.bench.distributed:run")
 
     p = bsub.add_parser("serve", help="HTTP streaming load test")
-    p.add_argument("--model", default=None, help="model dir (default: the demo model)")
+    p.add_argument(
+        "--model", default=None, help="model dir (default: the random-weight deepseek-v4 demo)"
+    )
     p.add_argument("--url", default=None, help="drive an already running server instead")
     p.add_argument("--compare", default=None, help="another OpenAI-compatible server URL")
     p.add_argument("--compare-model", default=None, help="model name to send to --compare")
