@@ -156,7 +156,8 @@ def write_tiny_gguf(
     writer.add_chat_template(CHATML)
     for name, array in weights.items():
         gguf_name = _gguf_name(name)
-        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        permuted = arch in ("llama", "mistral")
+        if permuted and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = HEADS if "attn_q" in gguf_name else KV_HEADS
             array = _permute(array, heads)
         kind = next((t for s, t in (types or {}).items() if gguf_name.endswith(s)), "F32")

@@ -28,7 +28,7 @@ def _logits(path: Path) -> np.ndarray:
     return np.array(model(mx.array(INPUTS)).astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_a_float_gguf_gives_the_logits_of_the_weights_it_was_written_from(
     arch: str, tmp_path: Path
 ) -> None:
@@ -38,7 +38,8 @@ def test_a_float_gguf_gives_the_logits_of_the_weights_it_was_written_from(
     expected = _logits(write_reference(tiny, tmp_path / "reference"))
     np.testing.assert_allclose(_logits(converted), expected, atol=2e-4, rtol=1e-4)
     config = json.loads((converted / "config.json").read_text())
-    assert config["rope_traditional"] is (arch == "llama") and "quantization" not in config
+    interleaved = arch in ("llama", "mistral")  # llama.cpp permuted their q/k
+    assert config["rope_traditional"] is interleaved and "quantization" not in config
 
 
 def test_quantized_tensors_stay_quantized_with_their_own_bits(tmp_path: Path) -> None:
@@ -78,7 +79,6 @@ def test_a_second_conversion_reuses_the_first(tmp_path: Path) -> None:
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert convert_gguf(tiny.path, root=tmp_path / "cache") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
-    assert find_gguf(tmp_path) is None or find_gguf(tmp_path) == tiny.path
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "model.gguf").write_bytes(tiny.path.read_bytes())

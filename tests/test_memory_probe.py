@@ -21,6 +21,20 @@ def test_writes_measure_what_forwards_measure(family: str, batchable: bool, load
     assert by_writes.bytes_per_token > 0
 
 
+def test_a_sliding_window_cache_is_measured_alike(swa_model_dir) -> None:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from mlxserve.models.load import load
+
+    model = load(swa_model_dir)
+    cache = model.make_cache()
+    assert any(isinstance(c, RotatingKVCache) for c in cache)
+    mx.eval(model.model.last_logits(mx.array([[3]], dtype=mx.int32), cache))
+    written = written_kv(cache)
+    assert written is not None
+    assert probe_by_writes(model, True, written) == probe_by_forwards(model, True)
+
+
 def test_caches_only_forwards_can_fill_are_probed_by_forwards(loaded_factory) -> None:
     model = loaded_factory("deepseek_v4")
     cache = model.make_cache()

@@ -10,9 +10,10 @@ send more than once is prefilled once (the prefix cache serves the rest).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 CAPITAL = "What is the capital of France? Answer in one sentence."
 PROMPTS = (CAPITAL, "Name the three primary colors.", "Say hello in Spanish.")
-MAX_TOKENS = 10
+MAX_TOKENS = 8
 COPY_TASK = "Repeat this code exactly:\ndef area(width, height):\n    return width * height\n"
 
 
@@ -45,32 +46,52 @@ def checkpoint() -> Path:
     return smollm2_checkpoint()
 
 
+MULTIBYTE = "Repeat exactly: café, naïve, 東京, 北京"
+# Every answer the tests compare with, in the order they first need them.
+REFERENCES = [
+    *((prompt, MAX_TOKENS) for prompt in PROMPTS),
+    (CAPITAL, 16),
+    (MULTIBYTE, 20),
+    (COPY_TASK, 20),
+]
+
+
 @pytest.fixture(scope="session")
-def server(checkpoint: Path) -> Iterator[ServeProcess]:
+def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """`reference(prompt, max_tokens)` -> Reference: mlx-lm's own greedy answer, computed
+    in a process of its own (`real_reference.py`), started before the server, so the
+    oracle and the server under test share the machine's cores instead of taking turns."""
+    folder = tmp_path_factory.mktemp("reference")
+    (folder / "requests.json").write_text(json.dumps(REFERENCES))
+    script = Path(__file__).with_name("real_reference.py")
+    argv = [sys.executable, str(script), str(checkpoint), str(folder / "requests.json")]
+    log = (folder / "log.txt").open("w")
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
+    answers: dict[str, Any] = {}
+
+    def get(prompt: str, max_tokens: int) -> Reference:
+        key = f"{prompt}\n{max_tokens}"
+        while key not in answers:  # each line arrives as soon as its answer is computed
+            line = process.stdout.readline() if process.stdout else ""
+            assert line, (folder / "log.txt").read_text()[-3000:]
+            found = json.loads(line)
+            answers[found["key"]] = found
+        found = answers[key]
+        return Reference(tuple(found["tokens"]), found["text"], found["ended"])
+
+    yield get
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+    log.close()
+
+
+@pytest.fixture(scope="session")
+def server(checkpoint: Path, reference: Any) -> Iterator[ServeProcess]:
     with ServeProcess(
         str(checkpoint), "--served-model-name", "smollm2", "--speculative", "ngram"
     ) as process:
         yield process
-
-
-@pytest.fixture(scope="session")
-def reference(checkpoint: Path) -> Any:
-    """`reference(prompt, max_tokens)` -> Reference, through mlx-lm's own loop (memoised)."""
-    from mlx_lm import load
-    from mlx_lm.generate import stream_generate
-
-    model, tokenizer = load(str(checkpoint))
-
-    @cache
-    def run(prompt: str, max_tokens: int) -> Reference:
-        messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        tokens = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens)]
-        ended = bool(tokens) and tokens[-1] in tokenizer.eos_token_ids
-        text = tokenizer.decode(tokens[:-1] if ended else tokens)
-        return Reference(tuple(tokens), text, ended)
-
-    return run
 
 
 def _openai(server: ServeProcess) -> openai.OpenAI:
@@ -128,32 +149,29 @@ def _responses(server: ServeProcess, prompt: str, stream: bool, max_tokens: int)
 def test_greedy_answers_equal_mlx_lm_on_every_dialect(server, reference, index: int) -> None:
     """Each prompt over chat, Messages and Responses; streamed and not, alternating."""
     prompt = PROMPTS[index]
-    expected = reference(prompt, MAX_TOKENS)
     stream = index % 2 == 0
     chat, _ = _chat(server, prompt, stream, max_tokens=MAX_TOKENS)
-    assert chat == expected.text
-    assert _messages(server, prompt, not stream, MAX_TOKENS) == expected.text
-    assert _responses(server, prompt, stream, MAX_TOKENS) == expected.text
+    messages = _messages(server, prompt, not stream, MAX_TOKENS)
+    responses = _responses(server, prompt, stream, MAX_TOKENS)
+    expected = reference(prompt, MAX_TOKENS)
+    assert (chat, messages, responses) == (expected.text,) * 3
     if index == 0:
         assert "Paris" in expected.text
 
 
 def test_end_of_turn_stop_string_and_length(server, reference) -> None:
+    whole = _chat(server, CAPITAL, stream=False, max_tokens=16)
+    cut = _chat(server, CAPITAL, stream=True, max_tokens=16, stop=["Paris"])
+    short, finish = _chat(server, CAPITAL, stream=False, max_tokens=3)
     expected = reference(CAPITAL, 16)
     assert expected.ended  # the model's own <|im_end|>, well before 16 tokens
-    text, finish = _chat(server, CAPITAL, stream=False, max_tokens=16)
-    assert (text, finish) == (expected.text, "stop")
-    cut, finish = _chat(server, CAPITAL, stream=True, max_tokens=16, stop=["Paris"])
-    assert (cut, finish) == (expected.text.split("Paris")[0], "stop")
-    short, finish = _chat(server, CAPITAL, stream=False, max_tokens=3)
+    assert whole == (expected.text, "stop")
+    assert cut == (expected.text.split("Paris")[0], "stop")
     assert finish == "length" and expected.text.startswith(short) and short != expected.text
 
 
 def test_multibyte_text_streams_whole_and_logprobs_name_the_token(server, reference) -> None:
-    prompt = "Repeat exactly: café, naïve, 東京, 北京"
-    expected = reference(prompt, 20)
-    assert expected.ended  # a whole answer: no character cut by max_tokens
-    assert any(ord(c) > 0x3000 for c in expected.text) and "é" in expected.text
+    prompt = MULTIBYTE
     client = _openai(server)
     deltas: list[str] = []
     logprobs: list[Any] = []
@@ -170,6 +188,9 @@ def test_multibyte_text_streams_whole_and_logprobs_name_the_token(server, refere
             deltas.append(chunk.choices[0].delta.content or "")
             if chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
                 logprobs.extend(chunk.choices[0].logprobs.content)
+    expected = reference(prompt, 20)
+    assert expected.ended  # a whole answer: no character cut by max_tokens
+    assert any(ord(c) > 0x3000 for c in expected.text) and "é" in expected.text
     assert "".join(deltas) == expected.text
     assert all("\ufffd" not in d for d in deltas)  # no character split across deltas
     # One entry per token chosen (the end-of-turn token has no text and no entry), whose
@@ -180,11 +201,11 @@ def test_multibyte_text_streams_whole_and_logprobs_name_the_token(server, refere
         assert (best.token, best.logprob) == (entry.token, entry.logprob)
 
 
-def test_second_turn_of_a_conversation_hits_the_prefix_cache(server, reference) -> None:
-    first = reference(CAPITAL, MAX_TOKENS)
+def test_second_turn_of_a_conversation_hits_the_prefix_cache(server) -> None:
+    first, _ = _chat(server, CAPITAL, stream=False, max_tokens=MAX_TOKENS)
     turn2 = [
         {"role": "user", "content": CAPITAL},
-        {"role": "assistant", "content": first.text},
+        {"role": "assistant", "content": first},
         {"role": "user", "content": "And of Italy?"},
     ]
     reply = _openai(server).chat.completions.create(
@@ -200,10 +221,10 @@ def test_second_turn_of_a_conversation_hits_the_prefix_cache(server, reference) 
 
 
 def test_ngram_drafts_on_a_copy_task_keep_the_tokens(server, reference) -> None:
-    expected = reference(COPY_TASK, 24)
-    assert "return width * height" in expected.text
     before = _spec_accepted(server)
-    text, _ = _chat(server, COPY_TASK, stream=True, max_tokens=24)
+    text, _ = _chat(server, COPY_TASK, stream=True, max_tokens=20)
+    expected = reference(COPY_TASK, 20)
+    assert "return width * height" in expected.text
     assert text == expected.text
     assert _spec_accepted(server) > before
 
