@@ -41,6 +41,11 @@ def _byte_alphabet() -> list[str]:
 
 TOKENS = [*SPECIALS, *_byte_alphabet(), "Ġt", "he"]
 MERGES = ["Ġ t", "h e"]
+# A sentencepiece vocabulary (`tokenizer.ggml.model` "llama", as Llama-2 and Mistral files
+# have): byte-fallback tokens, pieces with scores and no merges, as long as TOKENS.
+SPM_PIECES = ["▁", "▁t", "he", "▁the", "h", "e", "t", "l", "o", "▁hello", "ll", "▁he"]
+SPM_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_PIECES]
+SPM_TOKENS += [f"<extra_{i}>" for i in range(len(TOKENS) - len(SPM_TOKENS))]
 
 
 @dataclass
@@ -125,11 +130,38 @@ def hf_config(arch: str) -> dict[str, Any]:
     }
 
 
+def _sentencepiece_vocab(writer: Any) -> None:
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SPM_TOKENS) - 259)]
+    writer.add_token_scores(scores)
+    kinds = [2, 3, 3, *([6] * 256), *([1] * (len(SPM_TOKENS) - 259))]  # unk, control, byte
+    writer.add_token_types(kinds)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
+def _byte_level_vocab(writer: Any) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+
+
 def write_tiny_gguf(
-    path: Path, arch: str = "llama", types: dict[str, str] | None = None, seed: int = 0
+    path: Path,
+    arch: str = "llama",
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    sentencepiece: bool = False,
 ) -> TinyGGUF:
     """A tiny GGUF of `arch`; `types` maps a GGUF tensor suffix such as "attn_q.weight" or
-    "token_embd.weight" to a ggml type name (default F32 everywhere)."""
+    "token_embd.weight" to a ggml type name (default F32 everywhere); a byte-level BPE
+    vocabulary, or with `sentencepiece` a sentencepiece one."""
     import gguf
 
     weights = _weights(arch, seed)
@@ -146,13 +178,7 @@ def write_tiny_gguf(
         writer.add_uint32(f"{arch}.{key}", value)
     writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     writer.add_float32(f"{arch}.rope.freq_base", 10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3 if t in SPECIALS else 1 for t in TOKENS])
-    writer.add_token_merges(MERGES)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(2)
+    (_sentencepiece_vocab if sentencepiece else _byte_level_vocab)(writer)
     writer.add_chat_template(CHATML)
     for name, array in weights.items():
         gguf_name = _gguf_name(name)

@@ -73,6 +73,27 @@ def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path: Path) 
     assert json.loads((converted / "tokenizer_config.json").read_text())["chat_template"] == CHATML
 
 
+def test_a_sentencepiece_vocabulary_becomes_a_byte_fallback_tokenizer(tmp_path: Path) -> None:
+    from mlxserve.models.load import load_tokenizer
+
+    tiny = write_tiny_gguf(tmp_path / "spm.gguf", "llama", sentencepiece=True)
+    tokenizer = load_tokenizer(convert_gguf(tiny.path, root=tmp_path / "c"))
+    ids = tokenizer.encode("hello the é", add_special_tokens=False)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    assert pieces[:2] == ["▁he", "ll"] and pieces[-2:] == ["<0xC3>", "<0xA9>"]
+    assert tokenizer.decode(ids) == "hello the é"
+
+
+def test_an_ollama_blob_is_found_by_its_magic(tmp_path: Path) -> None:
+    tiny = write_tiny_gguf(tmp_path / "t.gguf")
+    blob = tmp_path / "sha256-0123abcd"
+    blob.write_bytes(tiny.path.read_bytes())
+    assert find_gguf(blob) == blob
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"GGML" + blob.read_bytes()[4:64])
+    assert find_gguf(other) is None
+
+
 def test_a_second_conversion_reuses_the_first(tmp_path: Path) -> None:
     tiny = write_tiny_gguf(tmp_path / "r.gguf")
     first = convert_gguf(tiny.path, root=tmp_path / "cache")

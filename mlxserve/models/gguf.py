@@ -155,10 +155,25 @@ def check_header(header: GGUFHeader, requantize_bits: int | None = None) -> None
         raise ModelLoadError(f"--gguf-requantize takes 4 or 8, not {requantize_bits}")
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def _is_gguf(path: Path) -> bool:
+    """A `.gguf` name, or the GGUF magic (Ollama keeps its files as `blobs/sha256-...`)."""
+    if path.suffix.lower() == ".gguf":
+        return True
+    try:
+        with path.open("rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
 def find_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names: itself, or the one `.gguf` in a folder without config.json."""
+    """The GGUF file `path` names: itself (by name or magic), or the one `.gguf` in a
+    folder without config.json."""
     if path.is_file():
-        return path if path.suffix.lower() == ".gguf" else None
+        return path if _is_gguf(path) else None
     if not path.is_dir() or (path / "config.json").is_file():
         return None
     files = sorted(p for p in path.glob("*.gguf") if p.is_file())
