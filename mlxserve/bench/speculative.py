@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
 
         figures = measure_real(k)
         figures["backend"] = "gpu" if mx.default_device() == mx.gpu else "cpu"
-        emit("speculative", figures, args.json)
+        emit("speculative-real", figures, args.json)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else quantized_tiny("qwen3", Path(tmp))

@@ -293,8 +293,9 @@ def probe_by_forwards(model: LoadedModel, batchable: bool) -> CacheCost:
     return _probe_schedule(model, batchable, feed)
 
 
-# Per layer: the keys and values one token adds, as the model wrote them (batch 1, 1 position).
-WrittenKV = list[tuple[mx.array, mx.array]]
+# Per layer: the keys and values one token adds, as the model wrote them (batch 1, 1 position);
+# None for a layer this process holds a cache for but does not run (a distributed shard).
+WrittenKV = list[tuple[mx.array, mx.array] | None]
 
 
 def written_kv(cache: list[Any]) -> WrittenKV | None:
@@ -303,12 +304,14 @@ def written_kv(cache: list[Any]) -> WrittenKV | None:
 
     Those caches' bytes follow from their class (growth step, window) and the
     shape and dtype of what the model writes: its keys and values per token.
+    The choice depends on the cache classes alone, so every rank of a
+    distributed model makes the same one (their forwards meet in collectives).
     """
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     if not cache or any(type(c) not in (KVCache, RotatingKVCache) for c in cache):
         return None
-    return [(c.keys[..., :1, :], c.values[..., :1, :]) for c in cache]
+    return [None if c.keys is None else (c.keys[..., :1, :], c.values[..., :1, :]) for c in cache]
 
 
 def probe_by_writes(model: LoadedModel, batchable: bool, written: WrittenKV) -> CacheCost:
@@ -318,7 +321,10 @@ def probe_by_writes(model: LoadedModel, batchable: bool, written: WrittenKV) -> 
     per token on this model would take minutes of prefill to learn the same bytes)."""
 
     def feed(n: int, cache: list[Any]) -> None:
-        for layer, (keys, values) in zip(cache, written, strict=True):
+        for layer, kv in zip(cache, written, strict=True):
+            if kv is None:
+                continue
+            keys, values = kv
             grow = (*keys.shape[:2], n, keys.shape[3]), (*values.shape[:2], n, values.shape[3])
             layer.update_and_fetch(mx.broadcast_to(keys, grow[0]), mx.broadcast_to(values, grow[1]))
         mx.eval(cache_arrays(cache))
