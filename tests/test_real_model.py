@@ -1,4 +1,4 @@
-"""A trained model through a real `mlxserve serve`: SmolLM2-135M-Instruct from its GGUF.
+"""A trained model through a real `mlxserve serve FILE.gguf`: SmolLM2-135M-Instruct.
 
 One server (with `--speculative ngram`, which must not change a token) serves
 every test; mlx-lm's own greedy `stream_generate` on the same converted
@@ -10,6 +10,7 @@ send more than once is prefilled once (the prefix cache serves the rest).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ import httpx
 import openai
 import pytest
 from api_fixtures import ServeProcess, metric
-from real_model import smollm2_checkpoint
+from real_model import real_model_cache, smollm2_checkpoint, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -88,9 +89,11 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="session")
 def server(checkpoint: Path, reference: Any) -> Iterator[ServeProcess]:
-    with ServeProcess(
-        str(checkpoint), "--served-model-name", "smollm2", "--speculative", "ngram"
-    ) as process:
+    """`mlxserve serve SmolLM2-135M-Instruct.Q4_1.gguf`: the GGUF file itself, whose
+    conversion (`checkpoint`, in the same cache) the server finds and reuses."""
+    env = {**os.environ, "MLXSERVE_CACHE_DIR": str(real_model_cache())}
+    argv = (str(smollm2_gguf_path()), "--served-model-name", "smollm2", "--speculative", "ngram")
+    with ServeProcess(*argv, env=env) as process:
         yield process
 
 
