@@ -113,11 +113,12 @@ def chat_body(content: str = "Hello", **kw: Any) -> dict[str, Any]:
 class ServeProcess:
     """`mlxserve serve ...` as its own process on 127.0.0.1 (what a user runs)."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         import sys
 
         self.port = free_port()
         self.argv = [sys.executable, "-m", "mlxserve.cli", "serve", *args, "--port", str(self.port)]
+        self.env = env
         self.proc: Any = None
 
     @property
@@ -128,7 +129,7 @@ class ServeProcess:
         import subprocess
 
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env
         )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -20,6 +20,8 @@ DeepSeek-V4 with an MTP layer (or `--mtp-model`): `mtp_parity` is 1 when greedy
 tokens with MTP drafts equal those without, and `mtp_acceptance` /
 `mtp_tokens_per_forward` say how often its drafts were right (random weights:
 almost never, so drafting pauses and backs off).
+
+`--real` measures prompt lookup on a trained model instead (`speculative_real.py`).
 """
 
 from __future__ import annotations
@@ -191,6 +193,13 @@ def run(args: argparse.Namespace) -> int:
     from mlxserve.models.synthetic import make_model
 
     k = args.num_draft_tokens
+    if getattr(args, "real", False):
+        from mlxserve.bench.speculative_real import measure_real
+
+        figures = measure_real(k)
+        figures["backend"] = "gpu" if mx.default_device() == mx.gpu else "cpu"
+        emit("speculative-real", figures, args.json)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(args.model) if args.model else quantized_tiny("qwen3", Path(tmp))
         figures = asyncio.run(_measure(path, k, args.file_tokens, args.rounds))
