@@ -1,1 +1,1 @@
-"""api stage (see DESIGN.md)."""
+"""api stage (see docs/architecture.md)."""

@@ -1,1 +1,1 @@
-"""bench stage (see DESIGN.md)."""
+"""bench stage (see docs/architecture.md)."""

@@ -1,4 +1,4 @@
-"""cache stage (see DESIGN.md): snapshot copies of model caches and the prefix cache."""
+"""cache stage (see docs/architecture.md): snapshot copies of model caches and the prefix cache."""
 
 from mlxserve.cache.prefix_cache import PrefixCache, PrefixCacheStats, PrefixHit
 from mlxserve.cache.snapshot import (

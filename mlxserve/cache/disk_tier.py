@@ -5,7 +5,7 @@ module keeps the files. Its index is a trie of the stored keys with an LRU
 byte budget (`--prefix-cache-disk-bytes`), rebuilt from the files' manifests
 at start (files that fail a check are removed and counted as rejected).
 
-Threads (DESIGN.md rules 1 and 10): `write`, `pump`, `lookup` and `load` are
+Threads (rules 1 and 10 of docs/architecture.md): `write`, `pump`, `lookup` and `load` are
 called on the engine's owner thread. `pump` takes each staged snapshot apart
 into evaluated arrays and `memoryview`s over them; only those views reach the
 writer thread, which serialises, checksums, fsyncs and renames without calling

@@ -1,6 +1,6 @@
 """Prefix cache: a radix trie from token-id prefixes to cache snapshots, LRU in bytes.
 
-Semantics (DESIGN.md rule 3 and 4):
+Semantics (rules 3 and 4 of docs/architecture.md):
 
 - An entry's key is exactly the tokens its snapshot holds.
 - `lookup` returns the longest entry whose key is a *strict* prefix of the
@@ -324,7 +324,7 @@ class PrefixCache:
         """Change the byte budget, evicting LRU entries to fit; returns the bytes freed.
 
         The engine shrinks the prefix cache this way before running caches
-        would push the shared KV budget over (DESIGN.md rule 9).
+        would push the shared KV budget over (rule 9 of docs/architecture.md).
         """
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")

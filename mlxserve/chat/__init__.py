@@ -1,4 +1,4 @@
-"""chat stage (see DESIGN.md): render a chat request into prompt text and token ids.
+"""chat stage (see docs/architecture.md): render a chat request into prompt text and token ids.
 
 `render_prompt(model, PromptRequest(...))` is the entry point; it uses the
 DeepSeek-V4/V4.1 encoder (`encode_request`) or the tokenizer's chat template,

@@ -1,1 +1,1 @@
-"""engine stage (see DESIGN.md)."""
+"""engine stage (see docs/architecture.md)."""

@@ -5,7 +5,7 @@ model is the thread that steps it, for the life of the process. A step is
 three calls: `Scheduler.schedule() -> StepPlan`, `Runner.run(plan) -> StepResult`,
 `Scheduler.update(result)`.
 
-No request is ever left waiting (DESIGN.md rules 2 and 8): events leave after
+No request is ever left waiting (rules 2 and 8 of docs/architecture.md): events leave after
 every phase, a phase that raises fails exactly the requests it touched, and
 if the thread ends for any reason but a stop, `on_death` is told so that the
 caller can fail every open request and report the engine as dead.
@@ -318,7 +318,7 @@ class EngineCore:
         """The KV byte budget and this model's measured cache cost.
 
         A model the probe cannot drive is refused: serving it without a byte
-        budget would let memory run out instead of answering (DESIGN rule 9).
+        budget would let memory run out instead of answering (rule 9 of docs/architecture.md).
         """
         try:
             cost = runner.probe_cost()

@@ -1,4 +1,4 @@
-"""Distributed serving: rank 0 decides, every rank executes (DESIGN rule 12).
+"""Distributed serving: rank 0 decides, every rank executes (rule 12 of docs/architecture.md).
 
 Rank 0 runs the HTTP server, the scheduler, the prefix cache's policy and the
 sampler. Before each run it sends the step's plan (`plan_codec.WirePlan`)

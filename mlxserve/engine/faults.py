@@ -1,4 +1,4 @@
-"""Fault injection points of the engine (for tests of DESIGN.md rules 2 and 8).
+"""Fault injection points of the engine (for tests of rules 2 and 8 of docs/architecture.md).
 
 An engine built with a `FaultHook` calls it at each named point of a step
 with the ids of the requests that point touches; a hook that raises there

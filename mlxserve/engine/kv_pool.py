@@ -1,7 +1,7 @@
 """One KV byte budget shared by the engines of one server (one engine per served model).
 
 Each engine's scheduler owns its requests and its prefix cache; the pool only
-keeps the books between them (DESIGN rule 9 across models):
+keeps the books between them (rule 9 of docs/architecture.md across models):
 
 - `held[m]`: what engine m may touch now: its running caches (the scheduler's
   upper bound) plus its prefix cache. An engine admits a request only by

@@ -1,6 +1,6 @@
 """KV memory accounting: bytes per token measured on the loaded model, one byte budget.
 
-The engine admits a request only when its cache fits (DESIGN.md rule 9). The
+The engine admits a request only when its cache fits (rule 9 of docs/architecture.md). The
 cost of a request's cache is measured, not guessed: `Runner.probe_cost` fills
 real caches of the loaded model to a few lengths (alone and merged into a
 decode batch) and `fit_cost` turns those samples into a line

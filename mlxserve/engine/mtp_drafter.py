@@ -16,7 +16,7 @@ window of states it has not fed, and a gap (a prefix-cache hit, whose states
 were never computed here, or a batch that did not draft for a long time)
 starts the head's cache afresh at the window's start. Its drafts only
 decide how many tokens a verify forward checks; the verify decides the
-tokens (DESIGN rule 11), so a draft made over a short history is still exact.
+tokens (rule 11 of docs/architecture.md), so a draft made over a short history is still exact.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""parsers stage (see DESIGN.md): streaming output parsers.
+"""parsers stage (see docs/architecture.md): streaming output parsers.
 
 The server uses `resolve_parsers(...) -> ParserSpec`, `ParserSpec.create(...)
 -> OutputParser` and the event classes; `parse_stream` is the one-call
