@@ -5,7 +5,8 @@ Chat completions, text completions and Responses (`include:
 greedy top-1 is the output token; alternatives come sorted; and the values
 are a log-softmax of the model's logits, computed here apart with mlx-lm.
 All three routes are given the same prompt tokens (completions takes the ids
-the chat route rendered), so they generate the same tokens.
+the chat route rendered), so they generate the same tokens. A token that
+holds part of a character (a scripted DeepSeek-V4 model) sends its own bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from api_fixtures import ServerThread, serve_args
+from api_fixtures import ServerThread, scripted_server, serve_args
 
 from mlxserve.models import load
 
@@ -262,3 +263,34 @@ def test_more_than_twenty_alternatives_is_a_400(client: openai.OpenAI, route: st
     error = caught.value.body
     assert isinstance(error, dict) and "20" in error["message"]
     assert error["param"] in ("top_logprobs", "logprobs")
+
+
+SPLIT_TEXT = "饕餮 and 😀 naïve"  # 饕, 餮 and 😀 each split across two byte-level tokens
+SPLIT_SCRIPT = f"Plan.</think>{SPLIT_TEXT}"
+
+
+def test_a_split_characters_tokens_carry_their_own_bytes() -> None:
+    """A token holding part of a character: its `token` text shows U+FFFD, its `bytes`
+    are its own part, so the bytes of the tokens join to the text (chat and Responses)."""
+    with scripted_server(SPLIT_SCRIPT, model="scripted") as srv:
+        client = openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="scripted", messages=MESSAGES, max_tokens=32, logprobs=True, top_logprobs=2
+        )
+        assert reply.choices[0].message.content == SPLIT_TEXT
+        content = reply.choices[0].logprobs.content if reply.choices[0].logprobs else None
+        assert content and any("\ufffd" in c.token for c in content)
+        # Every generated token, the reasoning and `</think>` (spelled as its text) too.
+        assert bytes(b for c in content for b in c.bytes or ()) == SPLIT_SCRIPT.encode("utf-8")
+        assert all(c.top_logprobs[0].bytes == c.bytes for c in content)  # the scripted token
+        response = client.responses.create(
+            model="scripted",
+            input=MESSAGES,
+            max_output_tokens=32,
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+        )
+        lps = [lp for part in _output_text_parts(response) for lp in part.logprobs or ()]
+        # The text's tokens, `</think>` counted with the text after it.
+        joined = bytes(b for lp in lps for b in lp.bytes)
+        assert joined == f"</think>{SPLIT_TEXT}".encode()

@@ -17,6 +17,7 @@ from typing import Any
 
 from mlxserve.api.detok import IncrementalDecoder
 from mlxserve.api.stops import StopMatcher
+from mlxserve.api.token_bytes import token_bytes_for
 from mlxserve.engine.request import TokenEvent
 from mlxserve.parsers.events import (
     ContentDelta,
@@ -52,6 +53,21 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    # The token's own bytes, and those of each `top` entry in order: a token can hold
+    # part of a character, which its text shows as U+FFFD. Left out (None, or no
+    # `top_bytes`), a token's bytes are its text's UTF-8.
+    token_bytes: bytes | None = None
+    top_bytes: tuple[bytes, ...] = ()
+
+    def utf8(self) -> bytes:
+        """The token's own bytes (the `bytes` of a log-probability)."""
+        return self.token.encode("utf-8") if self.token_bytes is None else self.token_bytes
+
+    def top_utf8(self) -> list[bytes]:
+        """The own bytes of each `top` entry, in order."""
+        if len(self.top_bytes) == len(self.top):
+            return list(self.top_bytes)
+        return [text.encode("utf-8") for text, _ in self.top]
 
 
 @dataclass
@@ -118,6 +134,7 @@ class OutputPipeline:
         self._stops = StopMatcher(stops)
         self._parser = parser
         self._logprobs = logprobs
+        self._token_bytes = token_bytes_for(tokenizer) if logprobs else None
         self._parallel = parallel_tool_calls
         self._only_call: int | None = None  # with parallel_tool_calls off
         self._args_sent: set[int] = set()
@@ -224,9 +241,12 @@ class OutputPipeline:
         return "tool_calls" if self._calls_done else "stop"
 
     def _token_logprob(self, token: int, event: TokenEvent) -> TokenLogprob:
-        assert event.logprob is not None
-        top = tuple((self._token_text(t), _floored(lp)) for t, lp in (event.top_logprobs or ()))
-        return TokenLogprob(self._token_text(token), _floored(event.logprob), top)
+        assert event.logprob is not None and self._token_bytes is not None
+        alternatives = event.top_logprobs or ()
+        top = tuple((self._token_text(t), _floored(lp)) for t, lp in alternatives)
+        top_bytes = tuple(self._token_bytes(int(t)) for t, _ in alternatives)
+        own = self._token_bytes(token)
+        return TokenLogprob(self._token_text(token), _floored(event.logprob), top, own, top_bytes)
 
     def _token_text(self, token: int) -> str:
         return str(self._tokenizer.decode([token]))

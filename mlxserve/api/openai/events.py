@@ -43,18 +43,17 @@ def _tool_call_wire(tc: ToolCallDelta) -> dict[str, Any]:
     return out
 
 
-def _bytes(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
 def chat_logprobs(items: list[TokenLogprob]) -> dict[str, Any]:
     return {
         "content": [
             {
                 "token": lp.token,
                 "logprob": lp.logprob,
-                "bytes": _bytes(lp.token),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _bytes(t)} for t, v in lp.top],
+                "bytes": list(lp.utf8()),
+                "top_logprobs": [
+                    {"token": t, "logprob": v, "bytes": list(raw)}
+                    for (t, v), raw in zip(lp.top, lp.top_utf8(), strict=True)
+                ],
             }
             for lp in items
         ]

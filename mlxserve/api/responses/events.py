@@ -83,11 +83,16 @@ def event_logprobs(items: list[TokenLogprob]) -> list[dict[str, Any]]:
 def part_logprobs(items: list[TokenLogprob]) -> list[dict[str, Any]]:
     """Log-probabilities as an `output_text` part spells them (with UTF-8 bytes)."""
 
-    def entry(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "bytes": list(token.encode("utf-8")), "logprob": logprob}
+    def entry(token: str, raw: bytes, logprob: float) -> dict[str, Any]:
+        return {"token": token, "bytes": list(raw), "logprob": logprob}
 
     return [
-        {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        {
+            **entry(lp.token, lp.utf8(), lp.logprob),
+            "top_logprobs": [
+                entry(t, raw, v) for (t, v), raw in zip(lp.top, lp.top_utf8(), strict=True)
+            ],
+        }
         for lp in items
     ]
 
