@@ -187,6 +187,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=None)
     p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="turn the operator page (/dashboard) off; /v1/status still answers",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
     )
     p.add_argument(
