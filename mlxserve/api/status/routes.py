@@ -67,7 +67,7 @@ def add_status_routes(
         app.add_api_route(
             DASHBOARD_PATH + suffix,
             _serve(static_file(name), media_type),
-            methods=["GET"],
+            methods=["GET", "HEAD"],
             include_in_schema=False,
         )
 
