@@ -360,6 +360,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=24)
     p.set_defaults(handler="mlxserve.bench.distributed:run")
 
+    p = bsub.add_parser(
+        "status", help="64 streams with and without a client polling /v1/status every 250 ms"
+    )
+    p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 llama)")
+    p.add_argument("--url", default=None, help="drive an already running server instead")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=32, help="max_tokens of each stream")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds of both sides (the side measured first alternates)",
+    )
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.status:run")
+
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument("--model", default=None, help="model dir (default: the demo model)")
     p.add_argument("--url", default=None, help="drive an already running server instead")
