@@ -3,7 +3,7 @@
 The board is filled by the code paths that already see each request (the
 generation route, each token event a run receives, the error responses); the
 status route only reads it. Nothing here waits on an engine's owner thread
-(docs/architecture.md, rule 14). Text of prompts and outputs never reaches it:
+(docs/architecture.md: "watching costs nothing"). Text of prompts and outputs never reaches it:
 a run is counts and times, an error is its route, status and message.
 """
 

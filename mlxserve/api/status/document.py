@@ -45,14 +45,13 @@ def status_document(
     """The whole document; `since` (unix time) adds the history samples taken after it."""
     stats: Stats = {s.model_name: dict(s.engine.stats() or {}) for s in server.models}
     models = [model_card(s, stats[s.model_name], s is server.default) for s in server.models]
-    latest = history.latest
     doc: dict[str, Any] = {
         "object": "status",
         "time": round(time.time(), 3),
         "uptime_s": round(board.uptime_s, 3),
         "health": _health(models),
         "models": models,
-        "engine": engine_section(stats, latest.tokens_per_s if latest else 0.0),
+        "engine": engine_section(stats, history.recent_rate()),
         "requests": [request_entry(server, r) for r in board.runs()],
         "memory": memory_section(stats),
         "prefix_cache": prefix_cache_section(stats),

@@ -133,9 +133,10 @@ class History:
         """The samples taken after unix time `t`, oldest first."""
         return [asdict(s) for s in self.samples if s.t > t]
 
-    @property
-    def latest(self) -> Sample | None:
-        return self.samples[-1] if self.samples else None
+    def recent_rate(self, seconds: int = 5) -> float:
+        """Generated tokens/s over the last few samples (one second alone is jumpy)."""
+        recent = list(self.samples)[-seconds:]
+        return round(sum(s.tokens_per_s for s in recent) / len(recent), 3) if recent else 0.0
 
     async def run(self, interval_s: float = INTERVAL_S) -> None:
         """Sample every `interval_s` until cancelled (a failed sample is logged, skipped)."""

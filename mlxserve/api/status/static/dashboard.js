@@ -5,6 +5,7 @@
 (function () {
   const KEY_STORE = "mlxserve-api-key";
   const POLL_MS = 1000;
+  const ERRORS_SHOWN = 8;
   const SPAN_S = 15 * 60;
   const SVG = "http://www.w3.org/2000/svg";
   const $ = (id) => document.getElementById(id);
@@ -153,7 +154,8 @@
     setText("t-rate", rate(engine.tokens_per_s));
     setText("t-flight", count((doc.requests || []).length));
     setText("t-waiting", count(engine.queue_length));
-    setText("t-kv", bytes(memory.kv_used_bytes) + " / " + bytes(memory.kv_budget_bytes));
+    setText("t-kv", bytes(memory.kv_used_bytes));
+    setText("t-kv-budget", "of " + bytes(memory.kv_budget_bytes) + " (" + percent(memory.kv_used_ratio) + ")");
     setText("t-hits", cache.enabled ? percent(cache.hit_ratio) : "off");
     setText("t-step", engine.step_ms ? engine.step_ms.toFixed(1) + " ms" : "–");
     setText("t-spec", spec.enabled ? percent(spec.acceptance) + " accepted" : "off");
@@ -167,8 +169,9 @@
         const tr = el("tr");
         tr.dataset.id = r.id;
         tr.dataset.state = r.state;
-        tr.append(el("td", r.id + " · " + r.dialect));
-        tr.append(el("td", r.model));
+        const id = el("td", r.id.length > 18 ? r.id.slice(0, 17) + "…" : r.id, "id");
+        id.title = r.id;
+        tr.append(id);
         const state = el("td");
         state.append(el("span", r.state, "state " + r.state));
         if (r.prefill && r.state === "prefilling") {
@@ -185,6 +188,8 @@
         tr.append(el("td", seconds(r.ttft_s), "num"));
         tr.append(el("td", rate(r.tokens_per_s), "num"));
         tr.append(el("td", seconds(r.age_s), "num"));
+        tr.append(el("td", r.model));
+        tr.append(el("td", r.dialect, "muted"));
         const agent = el("td", r.user_agent || "–", "agent");
         agent.title = r.user_agent || "";
         tr.append(agent);
@@ -196,7 +201,7 @@
   }
 
   function renderErrors(errors, now, total) {
-    const rows = errors.map((e) => {
+    const rows = errors.slice(0, ERRORS_SHOWN).map((e) => {
       const tr = el("tr");
       tr.append(el("td", ago(now - e.time)));
       tr.append(el("td", e.route));
@@ -206,7 +211,8 @@
     });
     $("errors").tBodies[0].replaceChildren(...rows);
     $("errors-empty").hidden = rows.length > 0;
-    setText("errors-count", total ? "(" + count(total) + " since start)" : "");
+    const shown = rows.length < total ? "latest " + rows.length + " of " + count(total) : count(total);
+    setText("errors-count", total ? "(" + shown + " since start)" : "");
   }
 
   // -- charts: hand-made SVG ---------------------------------------------------
