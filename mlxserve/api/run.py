@@ -136,7 +136,8 @@ class GenerationRun:
             self.board.error(self.record.route, 500, message, self.meta.model)
 
     def abort_if_running(self) -> None:
-        """Tell the engine we are done: a matched stop string is a normal stop, else abort."""
+        """Tell the engine we are done: a matched stop string is a normal stop, else abort.
+        The run leaves the status board here, however its response ended."""
         if self.board is not None:
             self.board.close(self.meta.id)
         if not self.engine_finished and not self._aborted:
@@ -147,9 +148,7 @@ class GenerationRun:
                 self.state.engine.abort(self.meta.id)
 
     async def _close(self) -> None:
-        self.abort_if_running()
-        if self.board is not None:
-            self.board.close(self.meta.id)
+        self.abort_if_running()  # (which takes the run off the status board)
         closer = getattr(self.events, "aclose", None)
         if closer is not None:
             with anyio.CancelScope(shield=True):
