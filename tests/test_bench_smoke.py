@@ -171,6 +171,7 @@ def test_bench_status_reports_its_keys(tmp_path: Path, model_dir_factory) -> Non
     figures = json.loads(out.read_text())["figures"]
     assert figures["status_p99_ms"] > 0 and figures["status_polls"] > 0
     assert figures["status_poll_failures"] == 0
+    assert figures["status_server_p99_ms"] > 0 and 0 < figures["status_server_share"] < 1
     assert len(figures["round_ratios"]) == 2
     assert figures["status_poll_overhead"] == pytest.approx(
         1 - statistics.median(figures["round_ratios"]), abs=1e-3

@@ -218,6 +218,13 @@ def test_errors_keep_route_status_and_message(served: Served) -> None:
     assert older["time"] <= newest["time"]
 
 
+def test_status_says_what_it_cost(served: Served) -> None:
+    response = httpx.get(served.url + "/v1/status", timeout=30)
+    name, _, duration = response.headers["server-timing"].partition(";dur=")
+    assert name == "status" and float(duration) > 0
+    assert response.headers["cache-control"] == "no-store"
+
+
 def test_history_since(served: Served) -> None:
     def sampled() -> list[dict[str, Any]]:
         return fetch_status(served.url, since=0)["history"]["samples"]

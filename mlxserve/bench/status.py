@@ -10,7 +10,10 @@ completion tokens over the wall time from the first request sent to the last
 token received. Figures: `status_p99_ms` (the polls' latency, p99, over
 every polled round), `status_poll_overhead` (1 minus the median of the
 rounds' ratios of tokens/s with polling to without; <= 0.02 means watching
-costs nothing measurable), each side's median tokens/s and each round's ratio.
+costs nothing measurable), each side's median tokens/s and each round's ratio,
+and what the server says building each answer cost (its `Server-Timing`):
+`status_server_p99_ms` and `status_server_share` (that time over the polled
+rounds' wall time), which a busy machine's noise does not move.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ class Poller:
     def __init__(self, url: str) -> None:
         self.url = url
         self.latencies: list[float] = []
+        # Milliseconds the server says each answer took to build (its Server-Timing header).
+        self.server_ms: list[float] = []
         self.failures = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="status-poller", daemon=True)
@@ -64,9 +69,18 @@ class Poller:
                     self.failures += 1
                 else:
                     self.latencies.append(time.perf_counter() - started)
+                    self.server_ms.append(_server_ms(r.headers.get("server-timing", "")))
                     if samples:
                         since = samples[-1]["t"]
                 self._stop.wait(max(0.0, POLL_S - (time.perf_counter() - started)))
+
+
+def _server_ms(header: str) -> float:
+    _, _, duration = header.partition("dur=")
+    try:
+        return float(duration.split(";")[0])
+    except ValueError:
+        return 0.0
 
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, i: int, tokens: int) -> int:
@@ -106,6 +120,8 @@ def measure(url: str, model: str, streams: int, tokens: int, rounds: int) -> dic
     rates: dict[str, list[float]] = {"plain": [], "polled": []}
     ratios: list[float] = []
     latencies: list[float] = []
+    server_ms: list[float] = []
+    polled_s = 0.0
     failures = 0
     for i in range(rounds):
         sides = ("plain", "polled") if i % 2 == 0 else ("polled", "plain")
@@ -115,6 +131,8 @@ def measure(url: str, model: str, streams: int, tokens: int, rounds: int) -> dic
                 with Poller(url) as poller:
                     done, wall = asyncio.run(_round(url, model, streams, tokens))
                 latencies += poller.latencies
+                server_ms += poller.server_ms
+                polled_s += wall
                 failures += poller.failures
             else:
                 done, wall = asyncio.run(_round(url, model, streams, tokens))
@@ -127,6 +145,9 @@ def measure(url: str, model: str, streams: int, tokens: int, rounds: int) -> dic
         "status_poll_overhead": 1.0 - statistics.median(ratios),
         "status_p50_ms": (_percentile(latencies, 0.5) or 0.0) * 1000.0,
         "status_polls": len(latencies),
+        "status_server_p99_ms": _percentile(server_ms, 0.99) or 0.0,
+        # The share of the polled rounds' wall time the event loop spent answering polls.
+        "status_server_share": sum(server_ms) / 1000.0 / polled_s if polled_s else 0.0,
         "status_poll_failures": failures,
         "tokens_per_s_plain": statistics.median(rates["plain"]),
         "tokens_per_s_polled": statistics.median(rates["polled"]),
