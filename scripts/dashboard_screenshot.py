@@ -71,9 +71,13 @@ def capture(url: str, out: Path, width: int) -> None:
         wait_for(lambda: driver.find_element("id", "main").is_displayed(), what="the page")
         wait_for(lambda: prefilling(url), timeout=120, what="a long prefill under way")
         time.sleep(1.2)  # the page's next poll shows it
-        height = driver.execute_script("return document.documentElement.scrollHeight")
-        driver.set_window_size(width, int(height) + 40)
-        time.sleep(0.3)
+        # The window as tall as the page (the browser's own bars take some of it).
+        script = "return [document.documentElement.scrollHeight, window.innerHeight]"
+        for _ in range(3):
+            page, inner = driver.execute_script(script)
+            if page <= inner:
+                break
+            driver.set_window_size(width, driver.get_window_size()["height"] + page - inner)
         driver.save_screenshot(str(out))
     finally:
         browser.quit()
