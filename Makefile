@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: serve test install install-dev lint clean e2e-clients
+.PHONY: serve test install install-dev lint clean e2e-clients browser screenshot
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +27,20 @@ serve: $(VENV)/.installed
 	$(BIN)/mlxserve serve --demo --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check mlxserve tests
-	$(BIN)/ruff format --check mlxserve tests
+	$(BIN)/ruff check mlxserve tests scripts
+	$(BIN)/ruff format --check mlxserve tests scripts
 	$(BIN)/mypy mlxserve
 
-test: lint
-	$(BIN)/pytest -n 2 --dist loadfile
+# The operator page's tests run in the system's headless Chromium (installed here if missing).
+browser:
+	bash scripts/install-browser.sh
+
+test: lint browser
+	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 2 --dist loadfile
+
+# docs/dashboard.png, the README's picture of the operator page, from a live server under load.
+screenshot: $(VENV)/.installed-dev browser
+	$(BIN)/python scripts/dashboard_screenshot.py docs/dashboard.png
 
 # The real agent clients (installed from npm) against a scripted checkpoint; not part of CI.
 e2e-clients: $(VENV)/.installed-dev

@@ -210,6 +210,11 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--api-key", default=None)
     p.add_argument(
+        "--no-dashboard",
+        action="store_true",
+        help="turn the operator page (/dashboard) off; /v1/status still answers",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
     )
     p.add_argument(
@@ -386,6 +391,22 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=24)
     p.set_defaults(handler="mlxserve.bench.distributed:run")
+
+    p = bsub.add_parser(
+        "status", help="64 streams with and without a client polling /v1/status every 250 ms"
+    )
+    p.add_argument("--model", default=None, help="model dir (default: a tiny hidden-64 llama)")
+    p.add_argument("--url", default=None, help="drive an already running server instead")
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=32, help="max_tokens of each stream")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds of both sides (the side measured first alternates)",
+    )
+    p.add_argument("--json", default=None)
+    p.set_defaults(handler="mlxserve.bench.status:run")
 
     p = bsub.add_parser("serve", help="HTTP streaming load test")
     p.add_argument(

@@ -132,6 +132,8 @@ class ServerConfig:
     # ... and at most this many bytes of them (each counted as its whole conversation).
     responses_store_bytes: int = 512 * 1024 * 1024
     exit_on_engine_failure: bool = True
+    # The operator page at /dashboard (--no-dashboard turns it off; /v1/status stays).
+    dashboard: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -63,7 +63,8 @@ class ServerThread:
             if self.server.started and (all(e.ready for e in engines) or not wait_ready):
                 return self
             for engine in engines:
-                if engine.load_error is not None:
+                # (Not waiting for readiness, a failed load is what the caller looks at.)
+                if wait_ready and engine.load_error is not None:
                     raise RuntimeError(engine.load_error)
             if not self.thread.is_alive():
                 raise RuntimeError("the server thread died")

@@ -160,3 +160,19 @@ def test_bench_distributed_reports_its_keys(tmp_path: Path, capsys) -> None:
     figures = json.loads(out.read_text())["figures"]
     assert figures["tp2_token_agreement"] == 1.0 and figures["pp2_token_agreement"] == 1.0
     assert figures["weight_bytes_per_rank_over_single"] <= 0.6
+
+
+def test_bench_status_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
+    """Two streams and two rounds here; the acceptance run uses 64 streams."""
+    out = tmp_path / "status.json"
+    model = str(model_dir_factory("llama"))
+    args = ["bench", "status", "--model", model, "--streams", "2", "--tokens", "4"]
+    assert cli_main([*args, "--rounds", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["status_p99_ms"] > 0 and figures["status_polls"] > 0
+    assert figures["status_poll_failures"] == 0
+    assert figures["status_server_p99_ms"] > 0 and 0 < figures["status_server_share"] < 1
+    assert len(figures["round_ratios"]) == 2
+    assert figures["status_poll_overhead"] == pytest.approx(
+        1 - statistics.median(figures["round_ratios"]), abs=1e-3
+    )

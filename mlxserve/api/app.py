@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import RedirectResponse, Response
 
 from mlxserve.api.anthropic.events import error_shape as anthropic_error_shape
 from mlxserve.api.anthropic.routes import count_tokens, messages
@@ -27,6 +27,9 @@ from mlxserve.api.openai.routes import chat_completions, completions
 from mlxserve.api.responses.routes import ResponsesAPI
 from mlxserve.api.responses.store import ResponseStore
 from mlxserve.api.state import ServerState, owning_requests
+from mlxserve.api.status.board import CURRENT_CALL, CallInfo, StatusBoard
+from mlxserve.api.status.history import History
+from mlxserve.api.status.routes import DASHBOARD_PATH, QUIET_PATHS, add_status_routes, wants_page
 from mlxserve.api.writer import ClientGone
 
 logger = logging.getLogger(__name__)
@@ -37,10 +40,11 @@ Handler = Callable[[ServedModels, Request], Awaitable[Response]]
 def create_app(served: ServedModels | ServerState, start_engine: bool = True) -> FastAPI:
     """Build the app; its lifespan starts the engines (inside the running loop) and stops them."""
     server = served if isinstance(served, ServedModels) else ServedModels.one(served)
+    history = History(server.board, lambda: [s.engine.stats() for s in server.models])
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        tasks: list[asyncio.Task[None]] = []
+        tasks: list[asyncio.Task[None]] = [asyncio.create_task(history.run())]
         if start_engine:
             for state in server.models:
                 state.engine.start()
@@ -56,12 +60,23 @@ def create_app(served: ServedModels | ServerState, start_engine: bool = True) ->
     app = FastAPI(title="mlxserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     # The Messages routes answer errors in Anthropic's shape, every other route in OpenAI's.
-    shapes = ErrorShapes({"/v1/messages": anthropic_error_shape})
+    shapes = ErrorShapes({"/v1/messages": anthropic_error_shape}, _error_log(server.board))
     install_handlers(app, shapes)
     app.add_middleware(BodyLimitMiddleware, max_bytes=server.config.max_body_bytes, shapes=shapes)
     _add_routes(app, server)
     add_model_routes(app, server)
+    add_status_routes(app, server, server.board, history, server.config.dashboard)
     return app
+
+
+def _error_log(board: StatusBoard) -> Callable[[APIError, str], None]:
+    """Every error answered, for the status page (not the page's own: a poll without its key)."""
+
+    def record(error: APIError, path: str) -> None:
+        if not path.startswith(QUIET_PATHS):
+            board.error(path, error.status, error.message)
+
+    return record
 
 
 async def report_loading(state: ServerState, every_s: float = 5.0) -> None:
@@ -106,6 +121,8 @@ async def _generate(
 ) -> Response:
     check_api_key(request, server.config.api_key)
     routed = ROUTED.set(None)
+    agent = request.headers.get("user-agent", "")
+    call = CURRENT_CALL.set(CallInfo(server.board, request.url.path, kind, agent))
     try:
         # Anything that raises between submit and the response aborts the engine request.
         with owning_requests():
@@ -120,6 +137,7 @@ async def _generate(
         return Response(status_code=499)
     finally:
         ROUTED.reset(routed)
+        CURRENT_CALL.reset(call)
 
 
 def _add_routes(app: FastAPI, server: ServedModels) -> None:
@@ -133,9 +151,12 @@ def _add_routes(app: FastAPI, server: ServedModels) -> None:
     async def _completions(request: Request) -> Response:
         return await _generate(server, request, "text", completions)
 
-    @app.api_route("/", methods=["GET", "HEAD"])
-    async def _root() -> dict[str, str]:
-        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+    @app.api_route("/", methods=["GET", "HEAD"], response_model=None)
+    async def _root(request: Request) -> dict[str, str] | Response:
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /)
+        # and get this JSON; a browser (asking for HTML) is sent to the operator page.
+        if config.dashboard and request.method == "GET" and wants_page(request):
+            return RedirectResponse(DASHBOARD_PATH, status_code=307)
         return {"name": "mlxserve", "model": server.default.model_name}
 
     @app.post("/v1/messages")

@@ -65,12 +65,22 @@ ErrorShape = Callable[[APIError], dict[str, Any]]
 
 
 class ErrorShapes:
-    """The error body each path answers: a dialect's shape under its path prefix, else OpenAI's."""
+    """The error body each path answers: a dialect's shape under its path prefix, else OpenAI's.
 
-    def __init__(self, by_prefix: Mapping[str, ErrorShape] | None = None) -> None:
+    Every error response goes through `response`; `on_error` (the status board) hears of each.
+    """
+
+    def __init__(
+        self,
+        by_prefix: Mapping[str, ErrorShape] | None = None,
+        on_error: Callable[[APIError, str], None] | None = None,
+    ) -> None:
         self._by_prefix = dict(by_prefix or {})
+        self.on_error = on_error
 
     def response(self, error: APIError, path: str) -> JSONResponse:
+        if self.on_error is not None:
+            self.on_error(error, path)
         shape: ErrorShape = APIError.body
         for prefix, dialect_shape in self._by_prefix.items():
             if path == prefix or path.startswith(prefix + "/"):

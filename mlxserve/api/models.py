@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from mlxserve.api.errors import APIError
 from mlxserve.api.metrics import Metrics
 from mlxserve.api.state import ServerState
+from mlxserve.api.status.board import StatusBoard
 from mlxserve.config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,8 @@ class ServedModels:
     metrics: Metrics
     default_name: str | None = None
     strict: bool = False
+    # Runs in flight and recent errors, for /v1/status and the operator page.
+    board: StatusBoard = field(default_factory=StatusBoard)
     _by_name: dict[str, ServerState] = field(default_factory=dict)
     _names_seen: set[str] = field(default_factory=set)
 

@@ -30,6 +30,7 @@ from mlxserve.api.models import ServedModels
 from mlxserve.api.notices import warn_once
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
 from mlxserve.api.state import ServerState
+from mlxserve.api.status.board import CURRENT_CALL, RunRecord, StatusBoard
 from mlxserve.api.structured import OutputConstraint, StructuredOutputError, constraint_grammar
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
 from mlxserve.engine.request import Constraint, TokenEvent
@@ -84,6 +85,14 @@ class GenerationRun:
         self.engine_finished = False
         self._aborted = False
         state.live_runs.add(self)
+        # Its line on the status page (runs started outside an HTTP request have none).
+        self.record: RunRecord | None = None
+        self.board: StatusBoard | None = None
+        call = CURRENT_CALL.get()
+        if call is not None:
+            self.board = call.board
+            prompt = pipeline.usage.prompt_tokens
+            self.record = call.board.open(self, call, meta.id, state.model_name, prompt)
 
     async def deltas(self) -> AsyncIterator[OutputDelta]:
         """Pipeline output until the request finishes; aborts it if left early."""
@@ -93,6 +102,8 @@ class GenerationRun:
                 self.engine_finished = event.finished
                 if event.token_id is not None:
                     last_token = self._observe_token(last_token)
+                if event.cached_tokens and self.record is not None:
+                    self.record.cached_tokens = event.cached_tokens
                 delta = self.pipeline.step(event)
                 if not delta.empty:
                     yield delta
@@ -112,10 +123,24 @@ class GenerationRun:
             self.state.metrics.observe_ttft(now - self.arrival)
         else:
             self.state.metrics.observe_itl(now - previous)
+        record, board = self.record, self.board
+        if record is not None and board is not None:
+            record.generated_tokens += 1
+            record.last_token = now
+            if record.first_token is None:
+                board.first_token(record, now)
         return now
 
+    def report_failure(self, message: str) -> None:
+        """A failure the client hears of inside a stream (its HTTP status was 200)."""
+        if self.board is not None and self.record is not None:
+            self.board.error(self.record.route, 500, message, self.meta.model)
+
     def abort_if_running(self) -> None:
-        """Tell the engine we are done: a matched stop string is a normal stop, else abort."""
+        """Tell the engine we are done: a matched stop string is a normal stop, else abort.
+        The run leaves the status board here, however its response ended."""
+        if self.board is not None:
+            self.board.close(self.meta.id)
         if not self.engine_finished and not self._aborted:
             self._aborted = True
             if self.pipeline.stopped_by_string:
@@ -124,7 +149,7 @@ class GenerationRun:
                 self.state.engine.abort(self.meta.id)
 
     async def _close(self) -> None:
-        self.abort_if_running()
+        self.abort_if_running()  # (which takes the run off the status board)
         closer = getattr(self.events, "aclose", None)
         if closer is not None:
             with anyio.CancelScope(shield=True):

@@ -72,6 +72,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_store=args.responses_store,
         responses_store_bytes=args.responses_store_bytes,
         exit_on_engine_failure=args.exit_on_engine_failure,
+        dashboard=not getattr(args, "no_dashboard", False),
     )
 
 

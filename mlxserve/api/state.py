@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import Sampling
@@ -18,6 +18,9 @@ from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingPa
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.parsers import ParserSpec, resolve_parsers
+
+if TYPE_CHECKING:
+    from mlxserve.engine.async_engine import RequestProgress
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ class EngineLike(Protocol):
     def finish(self, request_id: str) -> None: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def progress(self, request_id: str) -> RequestProgress | None: ...
 
     async def shutdown(self) -> None: ...
 

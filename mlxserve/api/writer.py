@@ -90,9 +90,11 @@ async def stream_run(
                     yield writer.frame(event)
     except EngineRequestFailed as e:
         ended = True
+        run.report_failure(f"generation failed: {e}")
         for event in writer.fail(f"generation failed: {e}", run.pipeline.usage):
             yield writer.frame(event)
     if not ended:
+        run.report_failure(UNFINISHED)
         for event in writer.fail(UNFINISHED, run.pipeline.usage):
             yield writer.frame(event)
 

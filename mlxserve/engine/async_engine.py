@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxserve.config import EngineConfig
@@ -41,6 +41,17 @@ logger = logging.getLogger(__name__)
 # A stream waits this long past --request-timeout for the engine's own timeout
 # error before it gives up on the engine (a step that never returns).
 STREAM_GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """One request's state in the engine: prefill done of the tokens to feed, and output."""
+
+    status: RequestStatus
+    computed: int
+    fill: int
+    cached: int
+    generated: int
 
 
 class AsyncEngine:
@@ -252,6 +263,22 @@ class AsyncEngine:
             "batch_rows": len(runner.batch.request_ids) if runner else 0,
         }
 
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """Where a request stands, as the engine thread last left it (None once it has
+        left the engine, or before the engine took it in). A dict lookup and a few
+        integers, read without waiting on the engine thread (for the status page)."""
+        scheduler = self._core.scheduler
+        request = scheduler.by_id.get(request_id) if scheduler is not None else None
+        if request is None:
+            return None
+        return RequestProgress(
+            request.status,
+            request.num_computed,
+            request.num_fill,
+            request.cached_tokens,
+            len(request.output_ids),
+        )
+
     def stats(self) -> dict[str, Any]:
         core = self._core
         scheduler = core.scheduler
@@ -264,6 +291,9 @@ class AsyncEngine:
             "running": scheduler.num_running if scheduler else 0,
             "waiting": self._num_waiting(),
             "steps": core.steps,
+            "step_s": core.step_s,
+            "last_step_s": core.last_step_s,
+            "weight_bytes": core.weight_bytes,
             "kv_budget_bytes": memory.budget_bytes if memory else None,
             "kv_pool": memory.pool.stats() if memory and memory.pool else None,
             "cache_bytes": core.cache_bytes,

@@ -126,6 +126,11 @@ class EngineCore:
         self.prefix_cache: PrefixCache | None = None
         self.memory: KVBudget | None = None
         self.steps = 0
+        # Seconds the last step with work took, and their moving average (status page).
+        self.last_step_s = 0.0
+        self.step_s = 0.0
+        # The model's weight bytes (an MTP head's included), once measured.
+        self.weight_bytes = 0
         # KV cache bytes of the requests in flight, after the last step (engine thread).
         self.kv_bytes = 0
         self.cache_bytes = 0
@@ -332,6 +337,7 @@ class EngineCore:
         weights = weights_nbytes(getattr(model.model, "module", model.model))
         if runner.tap.drafter is not None:  # the MTP head's own weights
             weights += weights_nbytes(runner.tap.drafter.head.drafter)
+        self.weight_bytes = weights
         pool = self._pool
         if pool is not None:
             pool.join(self._member, weights, lambda: self._inbox.put(_Wake()))
@@ -376,15 +382,22 @@ class EngineCore:
                 disk.pump(flush=True)  # nothing will compute: hand every staged write over
             if not self._handle_commands(block=idle):
                 return
-            self._step_started = time.monotonic()
+            steps, started = self.steps, time.monotonic()
+            self._step_started = started
             try:
                 self._step(scheduler, runner)
                 if disk is not None:
                     self._guarded(disk.pump, lambda: [])
             finally:
                 self._step_started = None
+                if self.steps != steps:
+                    self._time_step(time.monotonic() - started)
             if self.stalled:
                 raise EngineStalled(self.failure or "engine stalled")
+
+    def _time_step(self, seconds: float) -> None:
+        self.last_step_s = seconds
+        self.step_s = seconds if self.step_s == 0.0 else 0.9 * self.step_s + 0.1 * seconds
 
     def _step(self, scheduler: Scheduler, runner: Runner) -> None:
         """One step: schedule -> run -> update; its events go out as the update ends.

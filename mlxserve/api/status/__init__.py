@@ -1,0 +1,1 @@
+"""`/v1/status` and the operator page."""
