@@ -54,7 +54,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE.toml",
         help="the models to serve as [[model]] tables (name, path, aliases, per-model "
-        "tool_call_parser / reasoning_parser / chat_encoder) and an optional default",
+        "tool_call_parser / reasoning_parser / chat_encoder / kv_cache_bits / "
+        "kv_cache_group_size / kv_quantize_after) and an optional default",
     )
     p.add_argument(
         "--default-model",
@@ -131,6 +132,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="byte budget of running caches + prefix cache (default: from the device)",
+    )
+    p.add_argument(
+        "--kv-cache-bits",
+        type=int,
+        default=None,
+        metavar="8|4",
+        help="keep keys and values quantized to 8 or 4 bits (default: full precision); "
+        "8 halves the cache and keeps output close to full precision, 4 quarters it "
+        "at a visible cost (README)",
+    )
+    p.add_argument(
+        "--kv-cache-group-size",
+        type=int,
+        default=64,
+        metavar="G",
+        help="positions of a head's vector sharing one scale and bias: 32, 64 or 128 "
+        "(default 64; it must divide the model's head size)",
+    )
+    p.add_argument(
+        "--kv-quantize-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep each request's first N tokens' cache in full precision, quantizing it "
+        "once the prefill reaches N tokens or the request starts decoding (default 0)",
     )
     p.add_argument(
         "--request-timeout",

@@ -34,12 +34,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.kv_quantize import kv_quant_of, quantized_probe_cost, settle
 from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
 from mlxserve.engine.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.plan import (
@@ -113,9 +114,13 @@ class Runner(VerifySteps):
             and model.extra.get("batchable", True)
         )
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
-        self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
-        # Whole short prompts prefill together, left-padded (plain KV caches only).
-        self.group_prefill = self.completion_snapshots
+        self.completion_snapshots = self.batchable and all(
+            type(c) in (KVCache, QuantizedKVCache) for c in probe
+        )
+        # Whole short prompts prefill together, left-padded (full-precision plain KV only).
+        self.group_prefill = self.batchable and all(type(c) is KVCache for c in probe)
+        # A quantized cache (`--kv-cache-bits`), or None.
+        self.kv_quant = kv_quant_of(model)
         # How many rows may verify drafts together (`rollback.py`; 0: none, None: any).
         self.verify_rows_limit = verify_rows_limit(probe, self.batchable)
         if not self.batchable:
@@ -174,6 +179,8 @@ class Runner(VerifySteps):
 
     def probe_cost(self) -> CacheCost:
         """This model's cache bytes against its tokens (see `memory.probe_cost`)."""
+        if self.kv_quant is not None and self.kv_quant.quantize_after > 0:
+            return quantized_probe_cost(self.model, self.batchable, self.kv_quant)
         return probe_cost(self.model, self.batchable)
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -217,7 +224,9 @@ class Runner(VerifySteps):
         self.joining = [rid for rid in self.joining if rid in released]
         for request_id in joining:
             try:
-                self.batch.add(request_id, self.caches.pop(request_id))
+                cache = self.caches.pop(request_id)
+                settle(cache, self.kv_quant, 0, joining=True)
+                self.batch.add(request_id, cache)
             except Exception as e:  # a failing merge fails its request, not the step
                 logger.exception("request %s could not join the decode batch", request_id)
                 self._forget([request_id])
@@ -324,6 +333,7 @@ class Runner(VerifySteps):
         try:
             started = time.perf_counter()
             self._feed_only(built.logits, cache)
+            settle(cache, self.kv_quant, chunk.end, joining=False)
             # The pacer learns what feeding costs; a prompt's last chunk also runs
             # the head, which the others skip, so it is timed before the head.
             elapsed = built.build_s + time.perf_counter() - started
