@@ -1,0 +1,161 @@
+"""`--kv-cache-bits` at the edges: bad settings stop `serve` before it binds its port,
+per-model settings, the disk tier's signature, the memory probe, and peak memory."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from api_fixtures import free_port, serve_args
+
+from mlxserve.api import serve
+from mlxserve.cache.signature import model_signature
+from mlxserve.engine.decode_batch import DecodeBatch
+from mlxserve.engine.memory import live_nbytes, probe_cost
+from mlxserve.kv_quant import KVQuant
+from mlxserve.models.load import load
+from mlxserve.models.quantized_cache import apply_kv_quant
+
+HIDDEN = 128  # head size 32: MLX quantizes groups of at least 32 values
+
+
+@pytest.fixture()
+def no_bind(monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_bind(*_: Any, **__: Any) -> int:
+        raise AssertionError("serve bound its port")
+
+    monkeypatch.setattr(serve, "serve_app", must_not_bind)
+
+
+@pytest.mark.parametrize(
+    ("flags", "family", "reason"),
+    [
+        (["--kv-cache-bits", "3"], "llama", "--kv-cache-bits must be 8 or 4, not 3"),
+        (["--kv-cache-bits", "8", "--kv-cache-group-size", "48"], "llama", "group-size must be"),
+        (["--kv-cache-bits", "8", "--kv-quantize-after", "-1"], "llama", "must be >= 0"),
+        (["--kv-cache-bits", "4"], "llama", "does not divide the head size 16"),
+        (["--kv-cache-bits", "8"], "deepseek_v4", "pooled (compressed) caches"),
+        (["--kv-cache-bits", "8"], "deepseek_v41", "LayerCache caches have no quantized form"),
+    ],
+    ids=["bits-3", "group-48", "negative-after", "head-16", "deepseek-v4", "deepseek-v41"],
+)
+def test_bad_settings_stop_serve_before_it_binds(
+    flags: list[str],
+    family: str,
+    reason: str,
+    model_dir_factory: Callable[..., Path],
+    no_bind: None,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = model_dir_factory(family)
+    assert serve.run(serve_args(*flags, model=str(path))) == 2
+    err = capsys.readouterr().err
+    assert reason in err
+    if family.startswith("deepseek"):
+        assert path.name in err and family in err  # names the model
+
+
+def test_the_command_exits_non_zero_with_the_reason_and_the_port_free(
+    model_dir_factory: Callable[..., Path],
+) -> None:
+    port = free_port()
+    path = model_dir_factory("llama", layers=2, hidden=HIDDEN)
+    command = [sys.executable, "-m", "mlxserve.cli", "serve", str(path), "--port", str(port)]
+    done = subprocess.run(
+        [*command, "--kv-cache-bits", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "--kv-cache-bits must be 8 or 4" in done.stderr
+    with socket.socket() as probe:  # nothing was listening on it
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_each_model_of_a_config_file_has_its_own_setting(
+    model_dir_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = model_dir_factory("llama", layers=2, hidden=HIDDEN)
+    toml = tmp_path / "models.toml"
+    toml.write_text(
+        f'[[model]]\nname = "quant"\npath = "{path}"\nkv_cache_bits = 4\n'
+        f'kv_cache_group_size = 32\n\n[[model]]\nname = "full"\npath = "{path}"\n'
+        "kv_cache_bits = 0\n"
+    )
+    args = serve_args("--models-config", str(toml), "--kv-cache-bits", "8", model="")
+    args.model = None
+    _, served = serve.build_app(args)
+    configs = {state.model_name: state.engine.config for state in served.models}
+    assert configs["quant"].kv_quant == KVQuant(4, 32)
+    assert configs["full"].kv_quant is None
+
+
+def test_the_signature_names_bits_and_group_size(tiny_llama: Path) -> None:
+    model = load(tiny_llama)
+    config = model.config
+
+    def signature(spec: KVQuant | None) -> str:
+        quantized = apply_kv_quant(model, spec)
+        return model_signature(tiny_llama, config, quantized.make_cache(), spec)
+
+    seen = {
+        signature(spec)
+        for spec in (None, KVQuant(8), KVQuant(4), KVQuant(8, 32), KVQuant(8, 64, 100))
+    }
+    assert len(seen) == 5  # each mode's disk entries are another mode's misses
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(model_dir_factory: Callable[..., Path]) -> Path:
+    return model_dir_factory("llama", layers=2, hidden=HIDDEN)
+
+
+def _bf16(path: Path, out: Path) -> Path:
+    """The checkpoint with bfloat16 weights, so its cache is bfloat16 too."""
+    import shutil
+
+    shutil.copytree(path, out)
+    weights = mx.load(str(out / "model.safetensors"))
+    assert isinstance(weights, dict)
+    mx.save_safetensors(
+        str(out / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in weights.items()}
+    )
+    return out
+
+
+def test_the_probe_measures_the_quantized_cost(tiny_llama: Path, tmp_path: Path) -> None:
+    model = load(_bf16(tiny_llama, tmp_path / "bf16"))
+    full = probe_cost(model, batchable=True).bytes_per_token
+    eight = probe_cost(apply_kv_quant(model, KVQuant(8)), batchable=True).bytes_per_token
+    four = probe_cost(apply_kv_quant(model, KVQuant(4, 32)), batchable=True).bytes_per_token
+    # 8 bits: 64 codes and a bf16 scale and bias per 64 values (68 / 128 bytes).
+    assert eight / full == pytest.approx(68 / 128, rel=0.02)
+    assert four / full == pytest.approx(40 / 128, rel=0.02)
+
+
+def test_decoding_at_8k_never_holds_a_full_precision_copy(tiny_llama: Path, tmp_path: Path) -> None:
+    """Peak memory of a decode step over 8k quantized tokens stays below what one
+    layer's full-precision keys and values would take: attention reads the codes."""
+    model = apply_kv_quant(load(_bf16(tiny_llama, tmp_path / "bf16")), KVQuant(8))
+    # (Not a multiple of 256: the step's write fits the buffer, which grows in blocks.)
+    tokens = 8000
+    cache = model.make_cache()
+    for start in range(0, tokens, 1000):  # chunked, as the engine prefills
+        chunk = mx.array([[(i * 31 + 7) % 1000 for i in range(start, start + 1000)]])
+        mx.eval(model.model.last_logits(chunk, cache), [c.keys for c in cache])
+    batch = DecodeBatch()
+    batch.add("long", cache)
+    mx.eval([layer.keys for layer in batch.cache])
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mx.eval(model.model.last_logits(mx.array([[5]]), batch.cache))
+    transient = mx.get_peak_memory() - held
+    config = model.config
+    kv_heads, head_dim = config["num_key_value_heads"], config["hidden_size"] // 4
+    one_layer_bf16 = 2 * kv_heads * head_dim * tokens * 2
+    assert live_nbytes(batch.cache) < 0.56 * one_layer_bf16 * config["num_hidden_layers"]
+    assert 0 < transient < one_layer_bf16
