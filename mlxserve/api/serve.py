@@ -81,10 +81,9 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def model_path(args: argparse.Namespace) -> Path:
     if args.demo:
-        from mlxserve.models.demo import RANDOM_WEIGHTS_NOTICE, demo_model_path
+        from mlxserve.models.demo import demo_model_path
 
-        logger.warning(RANDOM_WEIGHTS_NOTICE)
-        return demo_model_path()
+        return demo_model_path(args.demo)
     if not args.model:
         names = args.served_model_name or []
         if len(names) > 1 and Path(names[-1]).is_dir():
@@ -93,7 +92,7 @@ def model_path(args: argparse.Namespace) -> Path:
                 f"mlxserve serve {names[-1]} --served-model-name {' '.join(names[:-1])}"
             )
         raise ValueError("give a MODEL (a directory or a Hugging Face ORG/NAME) or --demo")
-    return resolve_model(args.model)
+    return resolve_model(args.model, getattr(args, "gguf_requantize", None))
 
 
 def checked_model_path(
@@ -114,7 +113,8 @@ def checked_model_path(
     from mlxserve.models.mtp import require_mtp_weights
     from mlxserve.models.quantized_cache import check_model_quantizable
 
-    path = model_path(args) if source is None else resolve_model(source)
+    requantize = getattr(args, "gguf_requantize", None)
+    path = model_path(args) if source is None else resolve_model(source, requantize)
     config = check_model_dir(path, chat_encoder or args.chat_encoder)
     if args.speculative == "mtp":
         require_mtp_weights(path, config)

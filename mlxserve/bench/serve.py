@@ -185,7 +185,7 @@ class LocalServer:
     ) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        source = ["--demo"] if model is None else [model]
+        source = ["--demo", "deepseek-v4"] if model is None else [model]
         self.command = [
             sys.executable, "-m", "mlxserve.cli", "serve", *source,
             "--port", str(self.port), "--served-model-name", "bench",

@@ -12,6 +12,13 @@ probes, so for pooled/compressed and sliding-window caches it is their real
 asymptotic growth; the intercept covers preallocation slack (mlx-lm's KV
 caches grow in blocks of 256 tokens) and whatever does not grow.
 
+Plain and sliding-window KV caches (mlx-lm's `KVCache`, `RotatingKVCache`)
+hold what their class allocates for the keys and values the model writes, so
+after one real forward (which shows those shapes) the probe fills them by
+their own `update_and_fetch` instead of by forwards: a few milliseconds in
+place of a prefill of every probe length (minutes for a 135M model on the CPU
+backend). Other caches are filled by forwards.
+
 Rows of a decode batch are left-padded to the longest row, so a batch costs
 `rows * row(longest)`; requests that decode alone cost `sum(row(n))`.
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -220,30 +227,44 @@ PROBE_DECODE_STEPS = 4
 def probe_cost(model: LoadedModel, batchable: bool) -> CacheCost:
     """Measure one request's cache bytes against its tokens on this model.
 
-    Fills fresh caches to a few lengths by a prefill (a multi-token update
-    may hold more than decoding does, e.g. a whole chunk in a window
-    cache), then decodes a token alone and, when requests decode batched
-    (`batchable`), merged into a batch of one; an upper bound is fitted to
-    every sample.
+    One real forward writes a token into fresh caches. Where every layer's
+    cache is one whose bytes follow from the shapes written into it (see
+    `probe_by_writes`), the probe goes on by writes of those shapes;
+    otherwise by forwards (`probe_by_forwards`). Both sample the same
+    lengths, alone and merged into a batch, and fit the same bound.
     """
+    first = model.make_cache()
+    mx.eval(model.model.last_logits(mx.array([[_probe_token(0, model)]], dtype=mx.int32), first))
+    written = written_kv(first)
+    if written is not None:
+        return probe_by_writes(model, batchable, written)
+    return probe_by_forwards(model, batchable)
+
+
+def _probe_token(i: int, model: LoadedModel) -> int:
+    return (i * 31 + 7) % max(1, model.vocab_size)
+
+
+# The probe's schedule at each length: a prefill (one multi-token update, which may hold
+# more than decoding does, e.g. a whole chunk in a window cache), PROBE_DECODE_STEPS decode
+# steps alone, then, when requests decode batched, the cache merged into a batch of one
+# and PROBE_DECODE_STEPS // 2 steps more. `feed(n, cache)` advances `cache` by n tokens.
+def _probe_schedule(
+    model: LoadedModel, batchable: bool, feed: Callable[[int, list[Any]], None]
+) -> CacheCost:
     from mlxserve.engine.decode_batch import DecodeBatch
 
-    vocab = max(1, model.vocab_size)
     samples: dict[int, int] = {}
 
     def sample(tokens: int, cache: list[Any]) -> None:
         samples[tokens] = max(samples.get(tokens, 0), live_nbytes(cache))
 
-    def feed(tokens: list[int], cache: list[Any]) -> None:
-        inputs = mx.array([tokens], dtype=mx.int32)
-        mx.eval(model.model.last_logits(inputs, cache))
-
     for length in probe_lengths(model.config):
         cache = model.make_cache()
-        feed([(i * 31 + 7) % vocab for i in range(length)], cache)
+        feed(length, cache)
         sample(length, cache)
         for step in range(1, PROBE_DECODE_STEPS + 1):
-            feed([step % vocab], cache)
+            feed(1, cache)
             sample(length + step, cache)
         if batchable:
             probe = DecodeBatch()
@@ -251,6 +272,55 @@ def probe_cost(model: LoadedModel, batchable: bool) -> CacheCost:
             length += PROBE_DECODE_STEPS
             sample(length, probe.cache)
             for step in range(1, PROBE_DECODE_STEPS // 2 + 1):
-                feed([step % vocab], probe.cache)
+                feed(1, probe.cache)
                 sample(length + step, probe.cache)
     return fit_cost(samples.items())
+
+
+def probe_by_forwards(model: LoadedModel, batchable: bool) -> CacheCost:
+    """The probe's schedule run by forwards of the model (any cache class).
+
+    It costs a prefill of every probe length (about 1,700 tokens), so it is kept
+    for caches whose bytes depend on more than the shapes written into them
+    (pooled, compressed, DeepSeek-V4.1 layer caches).
+    """
+    counter = iter(range(1 << 62))
+
+    def feed(n: int, cache: list[Any]) -> None:
+        tokens = [_probe_token(next(counter), model) for _ in range(n)]
+        mx.eval(model.model.last_logits(mx.array([tokens], dtype=mx.int32), cache))
+
+    return _probe_schedule(model, batchable, feed)
+
+
+# Per layer: the keys and values one token adds, as the model wrote them (batch 1, 1 position).
+WrittenKV = list[tuple[mx.array, mx.array]]
+
+
+def written_kv(cache: list[Any]) -> WrittenKV | None:
+    """What one real forward wrote into each layer, if every layer is a plain or
+    sliding-window KV cache (mlx-lm's `KVCache`, `RotatingKVCache`); else None.
+
+    Those caches' bytes follow from their class (growth step, window) and the
+    shape and dtype of what the model writes: its keys and values per token.
+    """
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if not cache or any(type(c) not in (KVCache, RotatingKVCache) for c in cache):
+        return None
+    return [(c.keys[..., :1, :], c.values[..., :1, :]) for c in cache]
+
+
+def probe_by_writes(model: LoadedModel, batchable: bool, written: WrittenKV) -> CacheCost:
+    """The probe's schedule run by the caches' own `update_and_fetch`, fed what the model
+    writes (`written_kv`), in place of forwards: the same cache objects, the same calls
+    the attention makes, the same samples, at the cost of a few allocations (a forward
+    per token on this model would take minutes of prefill to learn the same bytes)."""
+
+    def feed(n: int, cache: list[Any]) -> None:
+        for layer, (keys, values) in zip(cache, written, strict=True):
+            grow = (*keys.shape[:2], n, keys.shape[3]), (*values.shape[:2], n, values.shape[3])
+            layer.update_and_fetch(mx.broadcast_to(keys, grow[0]), mx.broadcast_to(values, grow[1]))
+        mx.eval(cache_arrays(cache))
+
+    return _probe_schedule(model, batchable, feed)

@@ -37,21 +37,20 @@ def run(args: argparse.Namespace) -> int:
     from mlxserve.models.loaded import ModelLoadError
     from mlxserve.models.resolve import resolve_model
 
-    if args.demo:
-        from mlxserve.models.demo import RANDOM_WEIGHTS_NOTICE, demo_model_path
-
-        print(f"note: {RANDOM_WEIGHTS_NOTICE}", file=sys.stderr)
-        path = demo_model_path()
-    elif args.model:
-        path = args.model
-    else:
+    if not args.demo and not args.model:
         print(
-            "error: give a MODEL (a directory or a Hugging Face ORG/NAME) or --demo",
+            "error: give a MODEL (a directory, a GGUF file or a Hugging Face ORG/NAME) or --demo",
             file=sys.stderr,
         )
         return 2
     try:
-        model = load(resolve_model(path))
+        if args.demo:
+            from mlxserve.models.demo import demo_model_path
+
+            path = demo_model_path(args.demo)
+        else:
+            path = resolve_model(args.model)
+        model = load(path)
     except ModelLoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Where a model argument points: a local directory, or a Hugging Face id in the hub cache.
+"""Where a model argument points: a local directory, a GGUF file, or a Hugging Face id.
 
 `mlxserve serve ORG/NAME[@REVISION]` is how users name models they copy
 from Hugging Face. A directory of that name wins (a checkout next to the
@@ -44,14 +44,23 @@ def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
     return match["repo"], match["rev"]
 
 
-def resolve_model(spec: str | Path) -> Path:
-    """The local directory `spec` names: itself, or a hub id's snapshot in the cache.
+def resolve_model(spec: str | Path, gguf_requantize: int | None = None) -> Path:
+    """The local directory `spec` names: itself, a hub id's snapshot in the cache, or
+    the conversion of a GGUF file (`spec` is one, or a folder holding one; see
+    `models/gguf.py`; `gguf_requantize`: bits for tensor types MLX does not read).
 
-    Raises ModelLoadError with the reason when neither works.
+    Raises ModelLoadError with the reason when none works.
     """
+    from mlxserve.models.gguf import convert_gguf, find_gguf
+
     path = Path(spec).expanduser()
+    gguf = find_gguf(path)
+    if gguf is not None:
+        return convert_gguf(gguf, gguf_requantize)
     if path.is_dir():
         return path
+    if path.suffix.lower() == ".gguf":
+        raise ModelLoadError(f"GGUF file {path} does not exist")
     hub_id = parse_hub_id(str(spec))
     if hub_id is None:
         raise ModelLoadError(
