@@ -392,6 +392,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler="mlxserve.bench.memory:run")
 
     p = bsub.add_parser(
+        "kv-quant", help="8- and 4-bit KV caches against full precision: memory, speed, quality"
+    )
+    p.add_argument("--model", default=None, help="plain-KV model dir (default: tiny bf16 llama)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--session-tokens", type=int, default=4096, help="each admitted request")
+    p.add_argument("--long-tokens", type=int, default=8192, help="the peak-memory request")
+    p.add_argument("--decode-context", type=int, default=2048, help="tokens behind each row")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument(
+        "--quality-tokens",
+        type=int,
+        default=1536,
+        help="teacher-forced positions on SmolLM2-135M-Instruct (fetched once; 0: skip)",
+    )
+    p.set_defaults(handler="mlxserve.bench.kv_quant:run")
+
+    p = bsub.add_parser(
         "distributed", help="2 ranks (tensor, pipeline) under mlx.launch against one process"
     )
     p.add_argument("--family", default="llama", choices=("llama", "qwen3"))
