@@ -122,6 +122,25 @@ def test_caches_quantized_differently_do_not_merge(tiny_dirs) -> None:
         BatchQuantizedKVCache.merge([eight[0], four[0]])
 
 
+def test_whole_prompts_prefill_together_over_quantized_rows(tiny_dirs) -> None:
+    """A left-padded group prefill gives each row what it gets alone, as a quantized cache."""
+    from mlxserve.engine.plan import PrefillChunk
+    from mlxserve.engine.prefill_group import grouped_forward
+    from mlxserve.engine.request import Request
+
+    model = _quantized(tiny_dirs["qwen3"])
+    prompts = [_ids(7, 11), _ids(8, 6)]
+    requests = [Request(f"g{i}", p, SamplingParams(), 0.0) for i, p in enumerate(prompts)]
+    group = [PrefillChunk(r, 0, len(r.prompt_ids)) for r in requests]
+    forward = grouped_forward(model, group)
+    assert type(forward.cache[0]) is BatchQuantizedKVCache
+    for row, prompt in enumerate(prompts):
+        alone = model.model.last_logits(mx.array([prompt]), model.make_cache())
+        assert mx.allclose(forward.logits[row], alone[0], atol=1e-4).item()
+        cache = forward.row_cache(row)
+        assert type(cache[0]) is QuantizedKVCache and cache[0].offset == len(prompt)
+
+
 # -- greedy parity through the engine ---------------------------------------------------------
 
 

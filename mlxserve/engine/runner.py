@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
@@ -50,7 +49,12 @@ from mlxserve.engine.plan import (
     StepPlan,
     StepResult,
 )
-from mlxserve.engine.prefill_group import GroupedPrefill, grouped_forward, pick_group
+from mlxserve.engine.prefill_group import (
+    GROUPABLE,
+    GroupedPrefill,
+    grouped_forward,
+    pick_group,
+)
 from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
 from mlxserve.engine.rollback import verify_rows_limit
@@ -114,11 +118,9 @@ class Runner(VerifySteps):
             and model.extra.get("batchable", True)
         )
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
-        self.completion_snapshots = self.batchable and all(
-            type(c) in (KVCache, QuantizedKVCache) for c in probe
-        )
-        # Whole short prompts prefill together, left-padded (full-precision plain KV only).
-        self.group_prefill = self.batchable and all(type(c) is KVCache for c in probe)
+        self.completion_snapshots = self.batchable and all(type(c) in GROUPABLE for c in probe)
+        # Whole short prompts prefill together, left-padded (plain KV caches only).
+        self.group_prefill = self.batchable and all(type(c) in GROUPABLE for c in probe)
         # A quantized cache (`--kv-cache-bits`), or None.
         self.kv_quant = kv_quant_of(model)
         # How many rows may verify drafts together (`rollback.py`; 0: none, None: any).
