@@ -193,6 +193,38 @@ def test_alone_batched_chunked_ram_hit_and_disk_restore_agree(tiny_dirs, family,
     assert stats["prefix_cache_disk"]["hits"] == 1
 
 
+def test_speculation_over_quantized_rows_keeps_the_plain_tokens(
+    tiny_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts of the plain run's own tokens, every third one wrong, verified over a
+    quantized batch and cut back (trimmed) past the rejected ones."""
+    from test_speculative import OracleDrafter
+
+    from mlxserve.engine import core as engine_core
+    from mlxserve.engine.drafting import Speculator
+
+    path = tiny_dirs["llama"]
+    oracle_model = _quantized(path)
+    prompts = [_ids(40, 24), _ids(41, 9)]
+    expected = [greedy_generate(oracle_model, p, 12) for p in prompts]
+    drafter = OracleDrafter(list(zip(prompts, expected, strict=True)))
+    monkeypatch.setattr(engine_core, "make_speculator", lambda *_: Speculator(drafter, 4))
+    params = SamplingParams(max_tokens=12)
+
+    async def main() -> tuple[list[list[int]], dict]:
+        engine = await started_engine(_config(speculative="ngram"), lambda: load(path))
+        try:
+            runs = await asyncio.gather(*(collect(engine.submit(p, params)) for p in prompts))
+            return [tokens_of(r) for r in runs], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    runs, stats = asyncio.run(main())
+    assert runs == expected
+    assert drafter.proposed > 0 and stats["speculative"]["verify_forwards"] > 0
+    assert 0 < stats["speculative"]["accepted_tokens"] < stats["speculative"]["draft_tokens"]
+
+
 def test_quantize_after_keeps_the_head_in_full_precision_then_batches(tiny_dirs) -> None:
     """With --kv-quantize-after, a prompt shorter than N prefills in full precision,
     is quantized as it joins the batch, and decodes like a single run that did the same."""
