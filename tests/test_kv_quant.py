@@ -193,6 +193,33 @@ def test_alone_batched_chunked_ram_hit_and_disk_restore_agree(tiny_dirs, family,
     assert stats["prefix_cache_disk"]["hits"] == 1
 
 
+def test_long_chunks_are_fed_in_pieces_with_the_same_tokens(
+    tiny_dirs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Attention scores over a quantized cache are held whole, so a long chunk is fed in
+    pieces that bound them; each position computes what it would in one forward."""
+    from mlxserve.engine import kv_quantize
+    from mlxserve.engine import runner as runner_module
+
+    monkeypatch.setattr(kv_quantize, "SCORE_FLOOR_BYTES", 0)  # tiny models: no floor
+    cut: list[list[tuple[int, int]]] = []
+
+    def recorded(*args: Any) -> list[tuple[int, int]]:
+        out = kv_quantize.leading_pieces(*args)
+        cut.append(out)
+        return out
+
+    monkeypatch.setattr(runner_module, "leading_pieces", recorded)
+    path = tiny_dirs["qwen3"]
+    prompts = [_ids(50, 100), _ids(51, 7)]
+    runs, _ = _run(path, _config(prefix_cache=False), [prompts])
+    oracle_model = _quantized(path)
+    for (tokens, _), prompt in zip(runs, prompts, strict=True):
+        assert tokens == greedy_generate(oracle_model, prompt, MAX_TOKENS)
+    assert any(len(p) >= 1 for p in cut)
+    assert all(end - start == kv_quantize.MIN_PIECE_ROWS for p in cut for start, end in p)
+
+
 def test_speculation_over_quantized_rows_keeps_the_plain_tokens(
     tiny_dirs, monkeypatch: pytest.MonkeyPatch
 ) -> None:

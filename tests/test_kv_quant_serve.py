@@ -156,3 +156,17 @@ def test_decoding_at_8k_never_holds_a_full_precision_copy(tiny_llama: Path) -> N
     assert batch.cache[0].size() == tokens + 1
     assert live_nbytes(batch.cache) < 0.56 * bf16_cache
     assert 0 < transient < bf16_cache
+
+
+def test_prefill_pieces_bound_the_scores_by_the_cache() -> None:
+    """At long contexts a piece's scores take at most half the quantized cache's bytes;
+    at short ones the floor keeps pieces long (an extra forward costs more there)."""
+    from mlxserve.engine.kv_quantize import SCORE_BYTES, SCORE_FLOOR_BYTES, prefill_rows
+
+    heads, per_token = 32, 52_000.0  # Qwen3-30B-A3B's cache at 8 bits
+    for context in (100_000, 256_000):
+        rows = prefill_rows(heads, per_token, context)
+        assert rows * heads * context * SCORE_BYTES <= 0.5 * per_token * context
+        assert rows >= 16
+    assert prefill_rows(heads, per_token, 1024) * heads * 1024 * SCORE_BYTES <= SCORE_FLOOR_BYTES
+    assert prefill_rows(heads, per_token, 1024) >= 512

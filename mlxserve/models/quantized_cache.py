@@ -77,6 +77,16 @@ def head_dims(config: dict[str, Any]) -> list[int]:
     return dims
 
 
+def query_heads(config: dict[str, Any]) -> int:
+    """The attention's query heads a config names (nested text configs included; 1 if none)."""
+    text = config.get("text_config") or config.get("language_config") or {}
+    for source in (config, text):
+        heads = source.get("num_attention_heads") if isinstance(source, dict) else None
+        if isinstance(heads, int) and heads > 0:
+            return heads
+    return 1
+
+
 def check_group_size(config: dict[str, Any], spec: KVQuant, model: str) -> None:
     for dim in head_dims(config):
         if dim % spec.group_size:
