@@ -397,7 +397,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="plain-KV model dir (default: tiny bf16 llama)")
     p.add_argument("--json", default=None)
     p.add_argument("--session-tokens", type=int, default=4096, help="each admitted request")
-    p.add_argument("--long-tokens", type=int, default=8192, help="the peak-memory request")
+    p.add_argument("--long-tokens", type=int, default=4096, help="the peak-memory request")
     p.add_argument("--decode-context", type=int, default=2048, help="tokens behind each row")
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument(

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import (
 )
 
 from mlxserve.engine.sampling import PendingLogits, PendingSample
-from mlxserve.models.quantized_batch import BatchQuantizedKVCache
+from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
 # mlx-lm cache classes with a batched form (mlx-lm's own, or ours for quantized KV).
 _LM_BATCHED: dict[type, Any] = {
@@ -69,6 +69,7 @@ class DecodeBatch:
         merged = [_merge_layer(layer) for layer in cache]
         if not self.request_ids:
             self.cache = merged
+            share_mask(self.cache)
         else:
             for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxserve.engine.plan import PrefillChunk
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.quantized_batch import BatchQuantizedKVCache
+from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
 # Fresh per-request cache classes whose batched form a group prefills over.
 GROUPABLE = (KVCache, QuantizedKVCache)
@@ -77,5 +77,6 @@ def grouped_forward(model: LoadedModel, group: list[PrefillChunk]) -> GroupedPre
     pads = [width - n for n in lengths]
     rows = [[0] * pad + c.request.context_ids[: c.end] for pad, c in zip(pads, group, strict=True)]
     cache: list[Any] = [_batched(fresh, pads) for fresh in model.make_cache()]
+    share_mask(cache)
     logits = model.model.last_logits(mx.array(rows, dtype=mx.int32), cache)
     return GroupedPrefill(logits, cache, width * len(group))

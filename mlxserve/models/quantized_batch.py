@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache
 
 # Packed codes, scales, biases: what `mx.quantize` returns and `mx.quantized_matmul` takes.
@@ -62,6 +61,28 @@ def _pad(triple: Quantized, left: int, right: int) -> Quantized:
     return a, b, c
 
 
+class _MaskedWidth:
+    """The key width the last `make_mask` of a batch's layers covered, and the write
+    position it was made at; the layers of one batch share one (`share_mask`)."""
+
+    def __init__(self) -> None:
+        self.idx = -1
+        self.width = 0
+
+
+def share_mask(layers: Sequence[Any]) -> None:
+    """Let these layers (one model's batch) use the mask any of them makes.
+
+    The model makes its mask from one layer (mlx-lm: the first); every layer
+    updated from that position then hands attention its whole buffer, the
+    unwritten rows masked out, instead of a slice: `mx.quantized_matmul` copies
+    a sliced (strided) operand whole, which would copy the cache every step."""
+    shared = _MaskedWidth()
+    for layer in layers:
+        if isinstance(layer, BatchQuantizedKVCache):
+            layer.masked = shared
+
+
 class BatchQuantizedKVCache:
     """Left-padded rows of quantized keys and values (see the module docstring).
 
@@ -79,6 +100,7 @@ class BatchQuantizedKVCache:
         self._idx = 0
         self.group_size = group_size
         self.bits = bits
+        self.masked = _MaskedWidth()
 
     # -- the forward's interface ------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[Quantized, Quantized]:
@@ -106,7 +128,20 @@ class BatchQuantizedKVCache:
             # In place: the buffer is this cache's own (a shared one is copied by MLX first).
             self.keys[i][..., prev : self._idx, :] = new_k[i]
             self.values[i][..., prev : self._idx, :] = new_v[i]
+        masked = self.masked
+        if masked.idx == prev and masked.width == self.keys[0].shape[2]:
+            return self.keys, self.values  # the rows past _idx are masked out
         return self.keys_and_values()
+
+    def _width_after(self, count: int) -> int:
+        """The buffer's rows once `count` more positions are written (see update_and_fetch)."""
+        grown = (self.step + count - 1) // self.step * self.step
+        if self.keys is None:
+            return grown
+        rows = int(self.keys[0].shape[2])
+        if self._idx + count <= rows:
+            return rows
+        return (self._idx if self._idx % self.step else rows) + grown
 
     @staticmethod
     def _joined(old: Quantized, new: Quantized) -> Quantized:
@@ -118,8 +153,23 @@ class BatchQuantizedKVCache:
             raise ValueError("the cache is empty")
         return _rows(self.keys, self._idx), _rows(self.values, self._idx)
 
-    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:  # noqa: N803
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+    def make_mask(
+        self,
+        N: int,  # noqa: N803 (mlx-lm's name)
+        return_array: bool = False,
+        window_size: int | None = None,
+        **_: Any,
+    ) -> mx.array:
+        """The causal, left-padding mask over the whole buffer the update will leave
+        (rows not yet written are later than every query, so masked too)."""
+        width = self._width_after(N)
+        self.masked.idx, self.masked.width = self._idx, width
+        keys = mx.arange(width)[None]
+        queries = mx.arange(self._idx, self._idx + N)[:, None]
+        mask = queries >= keys
+        if window_size is not None:
+            mask = mask & (queries < keys + window_size)
+        return mask & (mx.expand_dims(self.left_padding, (1, 2, 3)) <= keys)
 
     # -- batch bookkeeping --------------------------------------------------------
     def filter(self, batch_indices: Sequence[int]) -> None:
