@@ -97,6 +97,9 @@ class EngineConfig:
             raise ValueError("distributed must be tensor or pipeline")
         if self.speculative != "off":
             raise ValueError("speculative decoding is not supported with --distributed yet")
+        if self.kv_cache_bits:
+            # Ranks holding different shares of the layers would cut prefill pieces differently.
+            raise ValueError("--kv-cache-bits is not supported with --distributed yet")
         if self.prefix_cache_dir is not None:
             # Each rank would need its own shard's files, written and read in step.
             raise ValueError("--prefix-cache-dir is not supported with --distributed yet")

@@ -173,3 +173,10 @@ def test_prefill_pieces_bound_the_scores_by_the_cache() -> None:
         assert rows >= 16
     assert prefill_rows(heads, per_token, 1024) * heads * 1024 * SCORE_BYTES <= SCORE_FLOOR_BYTES
     assert prefill_rows(heads, per_token, 1024) >= 512
+
+
+def test_distributed_serving_refuses_a_quantized_cache_for_now() -> None:
+    from mlxserve.config import EngineConfig
+
+    with pytest.raises(ValueError, match="not supported with --distributed"):
+        EngineConfig(kv_cache_bits=8, distributed="pipeline")

@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         from mlxserve.engine.follower_main import run_follower
 
         return run_follower(
-            lambda: checked_model_path(args, kv_quant=engine_config(args).kv_quant),
+            lambda: checked_model_path(args),
             args.chat_encoder,
             group,
             engine_config(args),

@@ -50,7 +50,6 @@ def _serve(
     sharding: Sharding | None,
 ) -> int:
     from mlxserve.models import load
-    from mlxserve.models.quantized_cache import apply_kv_quant
     from mlxserve.versions import check_versions
 
     started = time.monotonic()
@@ -60,7 +59,6 @@ def _serve(
         path = locate()
         logger.info("loading this rank's shard of %s", path)
         model = load(path, chat_encoder=chat_encoder, shard=sharding, with_tokenizer=False)
-        model = apply_kv_quant(model, config.kv_quant)
     except (ModelLoadError, ValueError, RuntimeError) as e:
         logger.critical("loading failed: %s", e)
         return 1
