@@ -77,7 +77,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE.toml",
         help="the models to serve as [[model]] tables (name, path, aliases, per-model "
-        "tool_call_parser / reasoning_parser / chat_encoder) and an optional default",
+        "tool_call_parser / reasoning_parser / chat_encoder / kv_cache_bits / "
+        "kv_cache_group_size / kv_quantize_after) and an optional default",
     )
     p.add_argument(
         "--default-model",
@@ -154,6 +155,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="byte budget of running caches + prefix cache (default: from the device)",
+    )
+    p.add_argument(
+        "--kv-cache-bits",
+        type=int,
+        default=None,
+        metavar="8|4",
+        help="keep keys and values quantized to 8 or 4 bits (default: full precision); "
+        "8 halves the cache and keeps output close to full precision, 4 quarters it "
+        "at a visible cost (README)",
+    )
+    p.add_argument(
+        "--kv-cache-group-size",
+        type=int,
+        default=64,
+        metavar="G",
+        help="positions of a head's vector sharing one scale and bias: 32, 64 or 128 "
+        "(default 64; it must divide the model's head size)",
+    )
+    p.add_argument(
+        "--kv-quantize-after",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep each request's first N tokens' cache in full precision, quantizing it "
+        "once the prefill reaches N tokens or the request starts decoding (default 0)",
     )
     p.add_argument(
         "--request-timeout",
@@ -378,6 +404,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-tokens", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=16)
     p.set_defaults(handler="mlxserve.bench.memory:run")
+
+    p = bsub.add_parser(
+        "kv-quant", help="8- and 4-bit KV caches against full precision: memory, speed, quality"
+    )
+    p.add_argument("--model", default=None, help="plain-KV model dir (default: tiny bf16 llama)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--session-tokens", type=int, default=4096, help="each admitted request")
+    p.add_argument("--long-tokens", type=int, default=4096, help="the peak-memory request")
+    p.add_argument("--decode-context", type=int, default=2048, help="tokens behind each row")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument(
+        "--quality-tokens",
+        type=int,
+        default=1536,
+        help="teacher-forced positions on SmolLM2-135M-Instruct (fetched once; 0: skip)",
+    )
+    p.set_defaults(handler="mlxserve.bench.kv_quant:run")
 
     p = bsub.add_parser(
         "distributed", help="2 ranks (tensor, pipeline) under mlx.launch against one process"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mlxserve.kv_quant import DEFAULT_GROUP_SIZE, DEFAULT_QUANTIZE_AFTER, KVQuant, kv_quant_of
+
 
 def default_prefix_cache_bytes() -> int:
     """A quarter of physical memory (falls back to 4 GiB where it cannot be read)."""
@@ -56,8 +58,14 @@ class EngineConfig:
     ngram_size: int = 3
     # Distributed serving over mx.distributed: None, "tensor" or "pipeline".
     distributed: str | None = None
+    # A quantized KV cache: 8 or 4 bits (None or 0: full precision), its group
+    # size, and the tokens each request keeps in full precision first.
+    kv_cache_bits: int | None = None
+    kv_cache_group_size: int = DEFAULT_GROUP_SIZE
+    kv_quantize_after: int = DEFAULT_QUANTIZE_AFTER
 
     def __post_init__(self) -> None:
+        self.kv_quant  # noqa: B018 (validates the three settings; raises ValueError)
         self._check_distributed()
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
             raise ValueError("kv_memory_bytes must be positive")
@@ -89,6 +97,9 @@ class EngineConfig:
             raise ValueError("distributed must be tensor or pipeline")
         if self.speculative != "off":
             raise ValueError("speculative decoding is not supported with --distributed yet")
+        if self.kv_cache_bits:
+            # Ranks holding different shares of the layers would cut prefill pieces differently.
+            raise ValueError("--kv-cache-bits is not supported with --distributed yet")
         if self.prefix_cache_dir is not None:
             # Each rank would need its own shard's files, written and read in step.
             raise ValueError("--prefix-cache-dir is not supported with --distributed yet")
@@ -106,6 +117,10 @@ class EngineConfig:
             raise ValueError("prefix_cache_disk_bytes must be >= 0")
         if self.prefix_cache_disk_every < 1:
             raise ValueError("prefix_cache_disk_every must be at least 1")
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        return kv_quant_of(self.kv_cache_bits, self.kv_cache_group_size, self.kv_quantize_after)
 
     @property
     def prefix_cache_budget(self) -> int:

@@ -176,3 +176,19 @@ def test_bench_status_reports_its_keys(tmp_path: Path, model_dir_factory) -> Non
     assert figures["status_poll_overhead"] == pytest.approx(
         1 - statistics.median(figures["round_ratios"]), abs=1e-3
     )
+
+
+def test_bench_kv_quant_reports_its_keys(tmp_path: Path, capsys) -> None:
+    """Short lengths and no trained model here; the acceptance run uses the defaults."""
+    out = tmp_path / "kv-quant.json"
+    args = ["bench", "kv-quant", "--quality-tokens", "0", "--session-tokens", "256"]
+    args += ["--long-tokens", "300", "--decode-context", "64", "--decode-steps", "2"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    printed = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    for key in ("kv_bytes_per_token_ratio_8", "kv_bytes_per_token_ratio_4", "peak_bytes_ratio_8"):
+        assert key in printed
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["kv_bytes_per_token_ratio_8"] <= 0.56
+    assert figures["kv_bytes_per_token_ratio_4"] <= 0.31
+    assert figures["sessions_admitted_ratio_8"] >= 1.7
+    assert figures["peak_bytes_8"] > 0 and figures["decode_tok_s_ratio_8"] > 0

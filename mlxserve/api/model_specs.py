@@ -12,7 +12,9 @@ from typing import Any
 
 # A name may not be empty or hold a comma or '=' (the --model syntax's separators).
 _NAME = re.compile(r"^[^,=\s][^,=]*$")
-_CONFIG_KEYS = {"name", "path", "aliases", "tool_call_parser", "reasoning_parser", "chat_encoder"}
+_PARSER_KEYS = ("tool_call_parser", "reasoning_parser", "chat_encoder")
+_KV_KEYS = ("kv_cache_bits", "kv_cache_group_size", "kv_quantize_after")
+_CONFIG_KEYS = {"name", "path", "aliases", *_PARSER_KEYS, *_KV_KEYS}
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,10 @@ class ModelSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_encoder: str | None = None
+    # Per-model overrides of --kv-cache-bits (0: full precision) and its companions.
+    kv_cache_bits: int | None = None
+    kv_cache_group_size: int | None = None
+    kv_quantize_after: int | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -73,11 +79,15 @@ def _spec_from_table(table: Any, path: str) -> ModelSpec:
         raise ValueError(f"{where}: aliases of {name!r} must be a list of names")
     for each in (name, *aliases):
         _check_name(each, where)
-    options = {k: table.get(k) for k in ("tool_call_parser", "reasoning_parser", "chat_encoder")}
+    options = {k: table.get(k) for k in _PARSER_KEYS}
     for key, value in options.items():
         if value is not None and not isinstance(value, str):
             raise ValueError(f"{where}: {key} of {name!r} must be a string")
-    return ModelSpec(name, source, tuple(aliases), **options)
+    numbers = {k: table.get(k) for k in _KV_KEYS}
+    for key, value in numbers.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ValueError(f"{where}: {key} of {name!r} must be an integer")
+    return ModelSpec(name, source, tuple(aliases), **options, **numbers)
 
 
 def _check_name(name: str, where: str) -> None:

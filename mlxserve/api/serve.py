@@ -20,6 +20,7 @@ from mlxserve.api.models import ServedModels
 from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
 from mlxserve.engine.kv_pool import KVPool
+from mlxserve.kv_quant import KVQuant
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.resolve import resolve_model
@@ -54,6 +55,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         num_draft_tokens=args.num_draft_tokens,
         ngram_size=args.ngram_size,
         distributed=getattr(args, "distributed", None),
+        kv_cache_bits=getattr(args, "kv_cache_bits", None),
+        kv_cache_group_size=getattr(args, "kv_cache_group_size", 64),
+        kv_quantize_after=getattr(args, "kv_quantize_after", 0),
     )
 
 
@@ -93,23 +97,29 @@ def model_path(args: argparse.Namespace) -> Path:
 
 
 def checked_model_path(
-    args: argparse.Namespace, source: str | None = None, chat_encoder: str | None = None
+    args: argparse.Namespace,
+    source: str | None = None,
+    chat_encoder: str | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> Path:
     """The model's directory, checked as far as it can be without loading it.
 
     Runs before the port is bound: a Hugging Face id is resolved (downloaded if
     need be) and a model that cannot load (no such name, a missing file, an
-    unsupported family) raises ModelLoadError with the reason. `source` is one
-    of several models' PATH_OR_ID (else the positional MODEL, or --demo).
+    unsupported family, caches `kv_quant` cannot quantize) raises ModelLoadError
+    with the reason. `source` is one of several models' PATH_OR_ID (else the
+    positional MODEL, or --demo).
     """
     from mlxserve.models.load import check_model_dir
     from mlxserve.models.mtp import require_mtp_weights
+    from mlxserve.models.quantized_cache import check_model_quantizable
 
     requantize = getattr(args, "gguf_requantize", None)
     path = model_path(args) if source is None else resolve_model(source, requantize)
     config = check_model_dir(path, chat_encoder or args.chat_encoder)
     if args.speculative == "mtp":
         require_mtp_weights(path, config)
+    check_model_quantizable(path, config, kv_quant)
     return path
 
 
@@ -157,6 +167,12 @@ def _model_state(
     from mlxserve.engine.async_engine import AsyncEngine
 
     ecfg = engine_config(args)
+    kv_overrides = {
+        key: value
+        for key in ("kv_cache_bits", "kv_cache_group_size", "kv_quantize_after")
+        if (value := getattr(spec, key)) is not None
+    }
+    ecfg = replace(ecfg, **kv_overrides)
     if several and ecfg.prefix_cache_dir is not None:
         # Each model keeps its own disk tier (a tier removes another model's files).
         ecfg = replace(ecfg, prefix_cache_dir=str(Path(ecfg.prefix_cache_dir) / _dir_name(spec)))
@@ -177,7 +193,7 @@ def _model_state(
         from mlxserve.models import load
 
         encoder = scfg.chat_encoder
-        path = checked_model_path(args, spec.source if several else None, encoder)
+        path = checked_model_path(args, spec.source if several else None, encoder, ecfg.kv_quant)
         sharding = sharding_for(args, group)
 
         def load_from_disk() -> LoadedModel:

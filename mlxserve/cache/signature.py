@@ -5,7 +5,8 @@ same model, so the signature covers the config, a fingerprint of the weights
 (each weight file's name, size, safetensors header, and samples of its bytes,
 so two fine-tunes of one architecture differ), the cache layout (each layer's
 cache class and settings), the library versions that compute the cache, and
-the disk format's version. Anything in doubt makes another signature: a miss,
+the disk format's version, and a quantized cache's bits and group size.
+Anything in doubt makes another signature: a miss,
 never a wrong token.
 """
 
@@ -21,6 +22,7 @@ from typing import Any
 
 from mlxserve.cache.codec import cache_layout
 from mlxserve.cache.disk_file import FORMAT_VERSION
+from mlxserve.kv_quant import KVQuant
 
 __all__ = ["model_signature"]
 
@@ -61,9 +63,18 @@ def weights_fingerprint(model_dir: Path) -> dict[str, str]:
     return {p.name: _file_fingerprint(p) for p in files}
 
 
-def model_signature(model_dir: Path, config: dict[str, Any], fresh_cache: Sequence[Any]) -> str:
-    """A hex digest standing for everything a stored cache depends on."""
+def model_signature(
+    model_dir: Path,
+    config: dict[str, Any],
+    fresh_cache: Sequence[Any],
+    kv_quant: KVQuant | None = None,
+) -> str:
+    """A hex digest standing for everything a stored cache depends on.
+
+    `kv_quant` (a quantized cache's bits, group size and full-precision head) is
+    named on its own: with `quantize_after` a fresh cache is still full precision."""
     described = {
+        "kv_quant": None if kv_quant is None else kv_quant.described(),
         "format": FORMAT_VERSION,
         "config": config,
         "weights": weights_fingerprint(model_dir),

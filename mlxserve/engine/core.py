@@ -39,6 +39,7 @@ from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
 from mlxserve.models.mtp import load_mtp_head, require_mtp_weights
+from mlxserve.models.quantized_cache import apply_kv_quant
 
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
@@ -223,7 +224,7 @@ class EngineCore:
 
     def _load(self) -> None:
         started = time.monotonic()
-        model = self._loader()
+        model = apply_kv_quant(self._loader(), self.config.kv_quant)
         self.model = model
         if self.config.prefix_cache:
             from mlxserve.cache.prefix_cache import PrefixCache
@@ -304,7 +305,9 @@ class EngineCore:
         from mlxserve.cache.disk_tier import DiskTier
         from mlxserve.cache.signature import model_signature
 
-        signature = model_signature(model.path, model.config, model.make_cache())
+        signature = model_signature(
+            model.path, model.config, model.make_cache(), self.config.kv_quant
+        )
         return DiskTier(Path(folder), self.config.prefix_cache_disk_bytes, signature)
 
     def _close_disk(self) -> None:

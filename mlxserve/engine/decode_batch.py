@@ -2,7 +2,8 @@
 
 A request's layer caches merge into the batch when their type has a batched
 form: mlx-lm's plain and sliding-window KV caches (`BatchKVCache`,
-`BatchRotatingKVCache`, left-padded), mlx-vlm's DeepSeek-V4 caches and
+`BatchRotatingKVCache`, left-padded), quantized KV caches
+(`models/quantized_batch.py`), mlx-vlm's DeepSeek-V4 caches and
 DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`).
 """
 
@@ -11,12 +12,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchRotatingKVCache,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+)
 
 from mlxserve.engine.sampling import PendingLogits, PendingSample
+from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
-# mlx-lm cache classes with a batched form of their own.
-_LM_BATCHED: dict[type, Any] = {KVCache: BatchKVCache, RotatingKVCache: BatchRotatingKVCache}
+# mlx-lm cache classes with a batched form (mlx-lm's own, or ours for quantized KV).
+_LM_BATCHED: dict[type, Any] = {
+    KVCache: BatchKVCache,
+    RotatingKVCache: BatchRotatingKVCache,
+    QuantizedKVCache: BatchQuantizedKVCache,
+}
 
 
 def mergeable(layer: Any) -> bool:
@@ -57,6 +69,7 @@ class DecodeBatch:
         merged = [_merge_layer(layer) for layer in cache]
         if not self.request_ids:
             self.cache = merged
+            share_mask(self.cache)
         else:
             for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)

@@ -299,19 +299,35 @@ WrittenKV = list[tuple[mx.array, mx.array] | None]
 
 
 def written_kv(cache: list[Any]) -> WrittenKV | None:
-    """What one real forward wrote into each layer, if every layer is a plain or
-    sliding-window KV cache (mlx-lm's `KVCache`, `RotatingKVCache`); else None.
+    """What one real forward wrote into each layer, if every layer is a plain,
+    sliding-window or quantized KV cache (mlx-lm's `KVCache`, `RotatingKVCache`,
+    `QuantizedKVCache`); else None.
 
     Those caches' bytes follow from their class (growth step, window) and the
     shape and dtype of what the model writes: its keys and values per token.
     The choice depends on the cache classes alone, so every rank of a
     distributed model makes the same one (their forwards meet in collectives).
     """
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-    if not cache or any(type(c) not in (KVCache, RotatingKVCache) for c in cache):
+    if not cache or any(type(c) not in (KVCache, RotatingKVCache, QuantizedKVCache) for c in cache):
         return None
-    return [None if c.keys is None else (c.keys[..., :1, :], c.values[..., :1, :]) for c in cache]
+    return [
+        None if c.keys is None else (_one_position(c.keys, c), _one_position(c.values, c))
+        for c in cache
+    ]
+
+
+def _one_position(written: Any, cache: Any) -> mx.array:
+    """One position of what the model wrote: as it is, or, for a quantized cache
+    (which keeps only codes, scales and biases), zeros of the width and dtype the
+    codes stand for (a cache's bytes do not depend on the values written)."""
+    bits = getattr(cache, "bits", None)
+    if bits is None:
+        return written[..., :1, :]
+    codes, scales, _ = written
+    width = codes.shape[-1] * 32 // bits
+    return mx.zeros((*codes.shape[:2], 1, width), dtype=scales.dtype)
 
 
 def probe_by_writes(model: LoadedModel, batchable: bool, written: WrittenKV) -> CacheCost:

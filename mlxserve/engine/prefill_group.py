@@ -3,8 +3,9 @@
 mlx-lm's `BatchKVCache` takes left-padded rows: row i's padding is masked and
 its positions start at 0 after it, so each row computes what it would alone.
 The runner groups the chunks that are a request's whole prompt on a fresh
-plain-KV cache (no prefix-cache hit, nothing fed yet), the common case when
-several short requests arrive together; each row's cache is then extracted
+plain-KV cache, full precision or quantized (over `BatchQuantizedKVCache`)
+with no prefix-cache hit and nothing fed yet, the common case when several
+short requests arrive together; each row's cache is then extracted
 as the request's own and joins the decode batch at the next run like any
 finished prefill. Padding is bounded: rows join a group only while the padded
 forward stays within `MAX_PADDING` times the real tokens.
@@ -21,10 +22,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxserve.engine.plan import PrefillChunk
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
+
+# Fresh per-request cache classes whose batched form a group prefills over.
+GROUPABLE = (KVCache, QuantizedKVCache)
+
+
+def _batched(fresh: Any, pads: list[int]) -> Any:
+    if type(fresh) is QuantizedKVCache:
+        return BatchQuantizedKVCache(pads, group_size=fresh.group_size, bits=fresh.bits)
+    return BatchKVCache(pads)
+
 
 # A group's padded forward feeds at most this many times its real tokens.
 MAX_PADDING = 1.5
@@ -64,6 +76,7 @@ def grouped_forward(model: LoadedModel, group: list[PrefillChunk]) -> GroupedPre
     width = max(lengths)
     pads = [width - n for n in lengths]
     rows = [[0] * pad + c.request.context_ids[: c.end] for pad, c in zip(pads, group, strict=True)]
-    cache: list[Any] = [BatchKVCache(pads) for _ in range(len(model.make_cache()))]
+    cache: list[Any] = [_batched(fresh, pads) for fresh in model.make_cache()]
+    share_mask(cache)
     logits = model.model.last_logits(mx.array(rows, dtype=mx.int32), cache)
     return GroupedPrefill(logits, cache, width * len(group))

@@ -20,12 +20,16 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache, trim_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache, trim_prompt_cache
 from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_vlm.models.cache import PoolingCache, RotatingKVCache
 from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
 
 from mlxserve.models.dsv41_cache import BatchLayerCache
+from mlxserve.models.quantized_batch import BatchQuantizedKVCache
+
+# Plain KV caches (full precision or quantized), alone or batched: trimmed.
+_TRIMMED = (KVCache, QuantizedKVCache, BatchKVCache, BatchQuantizedKVCache)
 
 # Per-request cache types whose batched forms a transaction can cut back.
 _TRANSACTED = (RotatingKVCache, PoolingCache)
@@ -43,7 +47,7 @@ def verify_rows_limit(probe: list[Any], batchable: bool) -> int | None:
     same positions fed one by one, so the verify would not be a plain run's.
     V4.1's batched layer caches take one token per row, so a verify takes the
     batch's one row out (`_Replay`)."""
-    if probe and all(type(layer) is KVCache for layer in probe):
+    if probe and all(type(layer) in _TRIMMED for layer in probe):
         return None
     if batchable and probe and all(type(layer) is LayerCache for layer in probe):
         return 1
@@ -86,7 +90,7 @@ class CutBack:
         if cache and all(isinstance(layer, BatchLayerCache) for layer in cache):
             self._rows = _Replay(cache)
             self.cache = list(self._rows.rows)
-        elif not all(type(layer) in (KVCache, BatchKVCache) for layer in cache):
+        elif not all(type(layer) in _TRIMMED for layer in cache):
             self._transaction = start_speculative_cache(cache, self.fed)
 
     def keep(self, kept: int, rows: int) -> None:

@@ -34,12 +34,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from mlxserve.engine import faults
 from mlxserve.engine.constraint import GrammarTokenizer
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
+from mlxserve.engine.kv_quantize import (
+    kv_quant_of,
+    leading_pieces,
+    quantized_probe_cost,
+    settle,
+)
 from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
 from mlxserve.engine.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.plan import (
@@ -49,7 +54,12 @@ from mlxserve.engine.plan import (
     StepPlan,
     StepResult,
 )
-from mlxserve.engine.prefill_group import GroupedPrefill, grouped_forward, pick_group
+from mlxserve.engine.prefill_group import (
+    GROUPABLE,
+    GroupedPrefill,
+    grouped_forward,
+    pick_group,
+)
 from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
 from mlxserve.engine.rollback import verify_rows_limit
@@ -67,6 +77,7 @@ from mlxserve.engine.sampling import (
 )
 from mlxserve.engine.snapshots import SnapshotTaker
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.quantized_cache import query_heads
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +124,13 @@ class Runner(VerifySteps):
             and model.extra.get("batchable", True)
         )
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
-        self.completion_snapshots = self.batchable and all(type(c) is KVCache for c in probe)
+        self.completion_snapshots = self.batchable and all(type(c) in GROUPABLE for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).
-        self.group_prefill = self.completion_snapshots
+        self.group_prefill = self.batchable and all(type(c) in GROUPABLE for c in probe)
+        # A quantized cache (`--kv-cache-bits`); its prefill pieces follow the probe's cost.
+        self.kv_quant = kv_quant_of(model)
+        self.query_heads = query_heads(model.config)
+        self.cost: CacheCost | None = None
         # How many rows may verify drafts together (`rollback.py`; 0: none, None: any).
         self.verify_rows_limit = verify_rows_limit(probe, self.batchable)
         if not self.batchable:
@@ -174,7 +189,11 @@ class Runner(VerifySteps):
 
     def probe_cost(self) -> CacheCost:
         """This model's cache bytes against its tokens (see `memory.probe_cost`)."""
-        return probe_cost(self.model, self.batchable)
+        if self.kv_quant is not None and self.kv_quant.quantize_after > 0:
+            self.cost = quantized_probe_cost(self.model, self.batchable, self.kv_quant)
+        else:
+            self.cost = probe_cost(self.model, self.batchable)
+        return self.cost
 
     def run(self, plan: StepPlan) -> StepResult:
         """One step: free, decode every running row in one forward, feed the chunks."""
@@ -217,7 +236,9 @@ class Runner(VerifySteps):
         self.joining = [rid for rid in self.joining if rid in released]
         for request_id in joining:
             try:
-                self.batch.add(request_id, self.caches.pop(request_id))
+                cache = self.caches.pop(request_id)
+                settle(cache, self.kv_quant, 0, joining=True)
+                self.batch.add(request_id, cache)
             except Exception as e:  # a failing merge fails its request, not the step
                 logger.exception("request %s could not join the decode batch", request_id)
                 self._forget([request_id])
@@ -309,12 +330,25 @@ class Runner(VerifySteps):
             tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
-            logits = self.tap.last_logits(tokens, cache, [(rid, chunk.start)])
+            start = self._feed_leading_pieces(chunk, cache)
+            tokens = tokens[:, start - chunk.start :]
+            logits = self.tap.last_logits(tokens, cache, [(rid, start)])
             return _BuiltChunk(chunk, cache, logits, time.perf_counter() - started)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
             self._prefill_failed(rid, e, result)
             return None
+
+    def _feed_leading_pieces(self, chunk: PrefillChunk, cache: list[Any]) -> int:
+        """Feed a long chunk's leading pieces over a quantized cache now
+        (`kv_quantize.leading_pieces`); returns where the rest starts."""
+        context, rid = chunk.request.context_ids, chunk.request.request_id
+        rest = chunk.start
+        for start, end in leading_pieces(chunk, self.kv_quant, self.cost, self.query_heads):
+            inputs = mx.array([context[start:end]], dtype=mx.int32)
+            self._feed_only(self.tap.last_logits(inputs, cache, [(rid, start)]), cache)
+            rest = end
+        return rest
 
     def _feed_chunk(self, built: _BuiltChunk, result: StepResult) -> None:
         """Evaluate a built chunk; a prompt's last chunk also samples its first token."""
@@ -324,6 +358,7 @@ class Runner(VerifySteps):
         try:
             started = time.perf_counter()
             self._feed_only(built.logits, cache)
+            settle(cache, self.kv_quant, chunk.end, joining=False)
             # The pacer learns what feeding costs; a prompt's last chunk also runs
             # the head, which the others skip, so it is timed before the head.
             elapsed = built.build_s + time.perf_counter() - started
