@@ -477,6 +477,10 @@ class _FakeRun:
         self._deltas = deltas
         self._wait_s = wait_s
         self._fail = fail
+        self.failures: list[str] = []  # what the status page would list
+
+    def report_failure(self, message: str) -> None:
+        self.failures.append(message)
 
     async def deltas(self) -> Any:
         import asyncio
@@ -513,8 +517,10 @@ def test_pings_while_the_prompt_prefills() -> None:
 
 
 def test_a_failure_mid_stream_is_an_error_event() -> None:
-    names = _stream_names(_FakeRun([OutputDelta(content="Hi")], fail=True), 10.0)
+    run = _FakeRun([OutputDelta(content="Hi")], fail=True)
+    names = _stream_names(run, 10.0)
     assert names[-1] == "error" and "message_stop" not in names
+    assert len(run.failures) == 1  # the operator page lists it
 
 
 def test_billing_header_block_is_left_out_of_the_prompt() -> None:

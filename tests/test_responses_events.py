@@ -442,6 +442,10 @@ class _FakeRun:
         self._deltas = deltas
         self._pause_s = pause_s
         self.pipeline = type("P", (), {"usage": USAGE, "stop_string": None})()
+        self.failures: list[str] = []  # what the status page would list
+
+    def report_failure(self, message: str) -> None:
+        self.failures.append(message)
 
     async def deltas(self) -> Any:
         for delta in self._deltas:
@@ -483,3 +487,4 @@ def test_stream_failure_is_error_then_response_failed_and_not_stored() -> None:
     assert "response.completed" not in types and kept == []
     failed = json.loads(frames[-1].split(b"data: ", 1)[1])
     assert failed["response"]["error"]["message"] == "generation failed: step blew up"
+    assert run.failures == ["generation failed: step blew up"]
