@@ -1,10 +1,9 @@
-"""Nothing a request allocates outlives it.
+"""Nothing a request allocates outlives it: the native side.
 
-The leak that made a served process grow about 6 MB a minute under agents was
-native: `mx.compile` keeps one entry (traced graph, generated kernels) per
-distinct input shape of a compiled helper, forever, and DeepSeek-V4's helpers
-(mlx-vlm) compile per shape, so every new prefill length left ~100 KB behind.
-It is invisible to Python's `gc` and to MLX's own counters; glibc's `mallinfo2`
+`mx.compile` keeps one entry (traced graph, generated kernels) per distinct
+input shape of a compiled helper, forever, and DeepSeek-V4's helpers (mlx-vlm)
+compile per shape, so every new prefill length left ~100 KB behind. It is
+invisible to Python's `gc` and to MLX's own counters; glibc's `mallinfo2`
 (bytes in use, less what MLX's arrays and buffer cache hold) sees it.
 """
 

@@ -6,10 +6,9 @@ never evicts one. Model code calls compiled helpers with the forward's shape:
 mlx-vlm's DeepSeek-V4 (`_limited_swiglu`, the hyper-connection and
 compressor ops, expert selection) and mlx-lm families such as DeepSeek-V3
 compile without `shapeless`. A server sees a new prefill length at almost every
-turn, so each turn left about 100 KB of native memory behind (measured on the
-tiny DeepSeek-V4: 40 distinct prefill lengths, +3.9 MB of malloc'd bytes outside
-MLX's own accounting; with compilation off for them, +0.01 MB). Under six agents
-that was about 6 MB a minute, forever.
+turn, so each turn left about 100 KB of native memory behind for good (measured
+on the tiny DeepSeek-V4: 40 distinct prefill lengths, +3.9 MB of malloc'd bytes
+outside MLX's own accounting; with compilation off for them, +0.01 MB).
 
 Decode and verify forwards have a bounded set of shapes (rows <= max_num_seqs,
 positions <= 1 + drafts), so they keep their compiled kernels, where fusion
