@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.models.cache import (
     BatchKVCache,
     BatchRotatingKVCache,
@@ -73,6 +74,7 @@ class DecodeBatch:
         else:
             for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)
+            settle(self.cache)
         self.request_ids.append(request_id)
 
     def take_ahead(self, request_ids: list[str]) -> PendingSample | PendingLogits | None:
@@ -95,3 +97,39 @@ class DecodeBatch:
             self.ahead = self.ahead.rows(keep)
         for layer in self.cache:
             layer.filter(keep)
+        settle(self.cache)
+
+
+def settle(layers: list[Any]) -> None:
+    """Evaluate every array the batch's caches hold, bookkeeping included.
+
+    `extend` and `filter` rebuild each array lazily from the one before. The
+    forward evaluates what it reads, but a batched cache also keeps arrays it
+    does not read every step (mlx-vlm's per-row lengths, paddings and offsets,
+    the carried windows): those stayed lazy, and every join and every leave
+    added to their graphs for as long as the batch lived, which under agents
+    is forever. The graphs are native memory outside MLX's own counters:
+    about 50 KB a request on the tiny DeepSeek-V4 (rule 15 of
+    docs/architecture.md). Scheduled, not awaited: the next forward needs most
+    of them anyway.
+    """
+    mx.async_eval(_held_arrays(layers))
+
+
+def _held_arrays(objects: list[Any]) -> list[mx.array]:
+    """The arrays held in the attributes of these cache objects and of the caches
+    they nest (a `CacheList` keeps its layers in a list)."""
+    arrays: list[mx.array] = []
+    pending, seen = list(objects), set()
+    while pending:
+        cache = pending.pop()
+        if id(cache) in seen:
+            continue
+        seen.add(id(cache))
+        for value in vars(cache).values():
+            for item in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(item, mx.array):
+                    arrays.append(item)
+                elif hasattr(item, "__dict__") and not isinstance(item, type):
+                    pending.append(item)
+    return arrays
