@@ -74,7 +74,7 @@ class DecodeBatch:
         else:
             for mine, theirs in zip(self.cache, merged, strict=True):
                 mine.extend(theirs)
-            settle(self.cache)
+            _evaluate_held_arrays(self.cache)
         self.request_ids.append(request_id)
 
     def take_ahead(self, request_ids: list[str]) -> PendingSample | PendingLogits | None:
@@ -97,10 +97,10 @@ class DecodeBatch:
             self.ahead = self.ahead.rows(keep)
         for layer in self.cache:
             layer.filter(keep)
-        settle(self.cache)
+        _evaluate_held_arrays(self.cache)
 
 
-def settle(layers: list[Any]) -> None:
+def _evaluate_held_arrays(layers: list[Any]) -> None:
     """Evaluate every array the batch's caches hold, bookkeeping included.
 
     `extend` and `filter` rebuild each array lazily from the one before. The

@@ -126,7 +126,7 @@ class Runner(VerifySteps):
         # Completion (`prompt + output`) snapshots only for trimmable plain KV caches.
         self.completion_snapshots = self.batchable and all(type(c) in GROUPABLE for c in probe)
         # Whole short prompts prefill together, left-padded (plain KV caches only).
-        self.group_prefill = self.batchable and all(type(c) in GROUPABLE for c in probe)
+        self.group_prefill = self.completion_snapshots
         # A quantized cache (`--kv-cache-bits`); its prefill pieces follow the probe's cost.
         self.kv_quant = kv_quant_of(model)
         self.query_heads = query_heads(model.config)
