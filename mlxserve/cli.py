@@ -302,7 +302,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         choices=["deepseek_v4", "deepseek_v41"],
         help="scripted family: which DeepSeek encoder and parsers the checkpoint selects",
     )
-    p.set_defaults(handler="mlxserve.models.synthetic:run")
+    p.set_defaults(handler="mlxserve.models.tiny.synthetic:run")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

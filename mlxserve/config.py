@@ -43,7 +43,7 @@ class EngineConfig:
     prefix_cache_disk_bytes: int = 64 * 1024**3
     prefix_cache_disk_every: int = 4096
     # One byte budget for running caches, prefix-cache hit copies and the prefix
-    # cache; None derives it from the device at load (see engine/memory.py).
+    # cache; None derives it from the device at load (see engine/budget.py).
     kv_memory_bytes: int | None = None
     # Tokens of growth a request must have room for to be admitted.
     kv_reserve_tokens: int = 64

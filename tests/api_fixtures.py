@@ -162,7 +162,7 @@ class ServeProcess:
 
 def scripted_server(script: Any, *extra: str, model: str = "scripted-v4") -> ServerThread:
     """A server over the in-process scripted DeepSeek-V4 model, with its parsers pinned."""
-    from mlxserve.models.scripted import scripted_model
+    from mlxserve.models.tiny.scripted import scripted_model
 
     args = serve_args(
         "--served-model-name",

@@ -18,7 +18,7 @@ settings.load_profile("derandomized")
 @pytest.fixture(scope="session")
 def model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`factory(family, seed=0, layers=None, hidden=None)` -> checkpoint dir (cached)."""
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     built: dict[tuple, Path] = {}
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from mlxserve.models.demo import smollm2_gguf
 from mlxserve.models.gguf import convert_gguf
+from mlxserve.models.tiny.demo import smollm2_gguf
 
 
 def real_model_cache() -> Path:

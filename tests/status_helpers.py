@@ -11,7 +11,7 @@ import httpx
 from engine_helpers import ModelWrapper
 
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 
 
 class Gate(ModelWrapper):

@@ -458,7 +458,7 @@ def test_a_discarded_call_leaves_the_message_and_its_text_joins() -> None:
 
 def test_v41_takes_client_effort_names() -> None:
     from mlxserve.chat import PromptRequest, render_text
-    from mlxserve.models.scripted import scripted_model
+    from mlxserve.models.tiny.scripted import scripted_model
 
     model = scripted_model("x", model_type="deepseek_v41", chat_encoder="deepseek_v41")
     messages = [{"role": "user", "content": "hi"}]
@@ -547,7 +547,7 @@ def test_output_format_becomes_the_system_response_format() -> None:
 
 def test_output_format_renders_deepseeks_response_format_section() -> None:
     from mlxserve.chat import render_text
-    from mlxserve.models.scripted import scripted_model
+    from mlxserve.models.tiny.scripted import scripted_model
 
     schema = {"type": "object", "properties": {"title": {"type": "string"}}}
     config = {"format": {"type": "json_schema", "schema": schema}}

@@ -20,7 +20,7 @@ import pytest
 from api_fixtures import ServerThread, history_message, serve_args
 
 from mlxserve.models import load
-from mlxserve.models.scripted import write_checkpoint
+from mlxserve.models.tiny.scripted import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

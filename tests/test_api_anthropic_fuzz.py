@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxserve.models import load
-from mlxserve.models.scripted import write_checkpoint
+from mlxserve.models.tiny.scripted import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from api_fixtures import ServerThread, serve_args
 from mlxserve.bench.serve import LevelResult, RequestResult, ratios, summarize
 from mlxserve.cli import main
 from mlxserve.models import load
-from mlxserve.models.synthetic import make_model
+from mlxserve.models.tiny.synthetic import make_model
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import pytest
 from api_fixtures import ServerThread, assert_error_shape, chat_body, metric, serve_args
 
 from mlxserve.engine.request import RequestStatus
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from api_fixtures import (
 )
 from engine_helpers import KillSwitch, ModelWrapper, SlowModel, idle, wait_until, wrapped_loader
 
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ from api_fixtures import ServerThread, assert_error_shape, chat_body, serve_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 
 pytestmark = pytest.mark.slow
 

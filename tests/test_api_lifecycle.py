@@ -10,7 +10,7 @@ from api_fixtures import ServerThread, assert_error_shape, chat_body, serve_args
 
 from mlxserve.cli import build_parser
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 
 pytestmark = pytest.mark.slow
 

@@ -26,7 +26,7 @@ from mlxserve.api.models import ServedModels
 from mlxserve.api.state import DEFAULT_CONTEXT_LIMIT, ServerState, model_context_length
 from mlxserve.config import ServerConfig
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.synthetic import FAMILIES, build_config
+from mlxserve.models.tiny.synthetic import FAMILIES, build_config
 
 HUGE = 10**9
 

@@ -31,7 +31,7 @@ from api_fixtures import (
     scripted_server,
 )
 
-from mlxserve.models.scripted import write_checkpoint
+from mlxserve.models.tiny.scripted import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 from api_fixtures import ServerThread, chat_body, post, serve_args
 
 from mlxserve.models import load
-from mlxserve.models.synthetic import make_model
+from mlxserve.models.tiny.synthetic import make_model
 
 pytestmark = pytest.mark.slow
 

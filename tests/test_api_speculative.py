@@ -102,7 +102,7 @@ def test_mtp_drafted_reply_streams_the_same_text(tmp_path: Path) -> None:
     from api_fixtures import serve_args
 
     from mlxserve.models.load import load
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     path = make_model(tmp_path / "v4-mtp", "deepseek_v4", mtp_layers=1)
     with ServerThread(serve_args(), lambda: load(path)) as plain:

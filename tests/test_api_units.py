@@ -26,7 +26,7 @@ DATA = Path(__file__).parent / "data"
 def tokenizer() -> Any:
     from mlx_lm.tokenizer_utils import load
 
-    from mlxserve.models.scripted import deepseek_tokenizer_dir
+    from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 
     return load(deepseek_tokenizer_dir())
 

@@ -117,7 +117,7 @@ def test_recurrent_arrays_cache_round_trips(tmp_path: Path) -> None:
 
 def test_carrying_pooling_cache_round_trips(tmp_path: Path, loaded_factory) -> None:
     """The engine's DeepSeek-V4 caches (with the carried overlap window) come back whole."""
-    from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+    from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
 
     model = loaded_factory("deepseek_v4")
 

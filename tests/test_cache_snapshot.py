@@ -426,11 +426,11 @@ class _SubKV(lm_cache.KVCache):
 @pytest.mark.parametrize("cache", [_Unknown(), _SubKV(), lm_cache.ChunkedKVCache(8)])
 def test_unknown_cache_type_raises(cache: Any) -> None:
     nested = [lm_cache.CacheList(lm_cache.KVCache(), cache)]
-    for fn in (copy_cache, cache_nbytes, is_trimmable, cache_offset):
+    for fn in (copy_cache, is_trimmable, cache_offset):
         with pytest.raises(UnsupportedCacheError, match=type(cache).__name__):
             fn([cache])
     with pytest.raises(UnsupportedCacheError, match=type(cache).__name__):
-        cache_nbytes(nested)
+        copy_cache(nested)
 
 
 def test_empty_caches_copy() -> None:

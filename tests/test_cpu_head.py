@@ -82,7 +82,7 @@ def test_quantized_heads_and_modules_without_a_head_are_left_alone() -> None:
 
 
 def test_a_loaded_float32_checkpoint_gets_the_split_head(tmp_path: Path) -> None:
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     path = make_model(tmp_path / "qwen3", "qwen3", seed=0)
     model = load(path)

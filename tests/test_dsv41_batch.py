@@ -34,7 +34,7 @@ from mlxserve.config import EngineConfig
 from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.runner import Runner
-from mlxserve.models.dsv41_cache import BatchLayerCache, RowBuffer
+from mlxserve.models.deepseek_v4.v41_cache import BatchLayerCache, RowBuffer
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
@@ -53,7 +53,7 @@ def candidate_model(model_dir_factory, tmp_path_factory) -> LoadedModel:
     published config: 2048 x 8 >= 512), so the top-k never has to pick among
     candidate-masked ties, whose order a batch cannot reproduce.
     """
-    from mlxserve.models.synthetic import random_weights
+    from mlxserve.models.tiny.synthetic import random_weights
 
     out = tmp_path_factory.mktemp("v41-candidates")
     shutil.copytree(model_dir_factory("deepseek_v41"), out, dirs_exist_ok=True)
@@ -150,7 +150,7 @@ def test_row_buffer_keeps_rows_apart() -> None:
 
 
 def test_batch_bytes_are_counted_and_within_the_probed_cost(model: LoadedModel) -> None:
-    from mlxserve.engine.memory import live_nbytes
+    from mlxserve.cache.arrays import cache_nbytes
 
     cost = Runner(model).probe_cost()
     batch = DecodeBatch()
@@ -160,7 +160,7 @@ def test_batch_bytes_are_counted_and_within_the_probed_cost(model: LoadedModel) 
         join(model, batch, outputs, rid, prompt_ids(n, i))
     for number in range(1, 10):
         step(model, batch, outputs)
-        live = live_nbytes(batch.cache)
+        live = cache_nbytes(batch.cache)
         assert live == sum(layer.nbytes for layer in batch.cache) > 0
         tokens = [lengths[rid] + number for rid in batch.request_ids]
         assert live <= cost.total(tokens, batched=True), number
@@ -206,7 +206,7 @@ def test_synthetic_v41_picks_index_entries_of_their_own_ratio(layers: int) -> No
     and the logits came out NaN at some lengths (garbage memory, so not at
     every length). Our config's fault, not mlx-lm's math.
     """
-    from mlxserve.models.synthetic import build_config
+    from mlxserve.models.tiny.synthetic import build_config
 
     config = build_config("deepseek_v41", layers=layers)
     ratios = config["compress_ratios"]
@@ -236,7 +236,7 @@ def test_rotate_per_row_equals_the_model_rope_row_by_row(
 ) -> None:
     from mlx_lm.models.deepseek_v41 import _apply_rope
 
-    from mlxserve.models.dsv41_math import rotate
+    from mlxserve.models.deepseek_v4.v41_math import rotate
 
     attn = model.model.module.model.layers[1].self_attn.inner
     x = mx.random.normal(shape, key=mx.random.key(4))
@@ -251,7 +251,7 @@ def test_restated_math_is_mlx_lms() -> None:
     """`dsv41_math` restates mlx-lm 0.32.2's private helpers: bit-equal on random inputs."""
     from mlx_lm.models import deepseek_v41 as theirs
 
-    from mlxserve.models import dsv41_math as ours
+    from mlxserve.models.deepseek_v4 import v41_math as ours
 
     key = mx.random.key(9)
     x = mx.random.normal((2, 3, 64), key=key) * 3

@@ -24,8 +24,8 @@ from batch_helpers import (
 
 from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.engine.runner import Runner
-from mlxserve.models.dsv4_batch import BatchCarryingPoolingCache
-from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+from mlxserve.models.deepseek_v4.batch import BatchCarryingPoolingCache
+from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
 from mlxserve.models.loaded import LoadedModel
 
 

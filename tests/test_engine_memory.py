@@ -10,9 +10,10 @@ import pytest
 from engine_helpers import ModelWrapper, collect, idle, started_engine, tokens_of, wait_until
 
 from mlxserve.bench.memory import Scenario, measure
+from mlxserve.cache.arrays import cache_nbytes
 from mlxserve.cache.prefix_cache import PrefixCache
 from mlxserve.config import EngineConfig
-from mlxserve.engine.memory import CacheCost, default_kv_budget, fit_cost, live_nbytes
+from mlxserve.engine.budget import CacheCost, default_kv_budget, fit_cost
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.runner import Runner
 from mlxserve.models.generate import greedy_generate
@@ -61,10 +62,10 @@ def test_probe_bounds_the_real_cache_of_every_length(family: str, loaded_factory
         cache = model.make_cache()
         prompt = [(i * 13 + 5) % model.vocab_size for i in range(length)]
         mx.eval(model.model.last_logits(mx.array([prompt], dtype=mx.int32), cache))
-        assert live_nbytes(cache) <= cost.row(length)
+        assert cache_nbytes(cache) <= cost.row(length)
         for step in range(1, 6):
             mx.eval(model.model.last_logits(mx.array([[step]], dtype=mx.int32), cache))
-            assert live_nbytes(cache) <= cost.row(length + step), (length, step)
+            assert cache_nbytes(cache) <= cost.row(length + step), (length, step)
 
 
 @pytest.mark.slow

@@ -165,7 +165,7 @@ def test_a_truncated_gguf_ends_the_process_non_zero(tmp_path: Path) -> None:
 def test_the_demo_offline_with_nothing_cached_says_what_to_fetch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxserve.models.demo import SMOLLM2_REQUIREMENT, smollm2_gguf
+    from mlxserve.models.tiny.demo import SMOLLM2_REQUIREMENT, smollm2_gguf
 
     empty = tmp_path / "no-wheels"
     empty.mkdir()

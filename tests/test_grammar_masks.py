@@ -9,7 +9,7 @@ import pytest
 from mlxserve.api.structured import json_schema_grammar
 from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer, batch_masks
 from mlxserve.engine.request import Constraint
-from mlxserve.models.scripted import deepseek_tokenizer_dir
+from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 
 SCHEMA = {
     "type": "object",

@@ -228,7 +228,7 @@ def test_speculation_over_quantized_rows_keeps_the_plain_tokens(
     from test_speculative import OracleDrafter
 
     from mlxserve.engine import core as engine_core
-    from mlxserve.engine.drafting import Speculator
+    from mlxserve.engine.spec.drafting import Speculator
 
     path = tiny_dirs["llama"]
     oracle_model = _quantized(path)

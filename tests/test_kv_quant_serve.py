@@ -15,9 +15,10 @@ import pytest
 from api_fixtures import free_port, serve_args
 
 from mlxserve.api import serve
+from mlxserve.cache.arrays import cache_nbytes
 from mlxserve.cache.signature import model_signature
+from mlxserve.engine.cost_probe import probe_cost
 from mlxserve.engine.decode_batch import DecodeBatch
-from mlxserve.engine.memory import live_nbytes, probe_cost
 from mlxserve.kv_quant import KVQuant
 from mlxserve.models.load import load
 from mlxserve.models.quantized_cache import apply_kv_quant
@@ -157,7 +158,7 @@ def test_decoding_at_8k_never_holds_a_full_precision_copy(tiny_llama: Path) -> N
     transient = mx.get_peak_memory() - held
     bf16_cache = config["num_hidden_layers"] * 2 * kv_heads * head_dim * tokens * 2
     assert batch.cache[0].size() == tokens + 2
-    assert live_nbytes(batch.cache) < 0.56 * bf16_cache
+    assert cache_nbytes(batch.cache) < 0.56 * bf16_cache
     assert 0 < transient < bf16_cache
 
 

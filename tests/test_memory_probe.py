@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from mlxserve.engine.memory import probe_by_forwards, probe_by_writes, probe_cost, written_kv
+from mlxserve.engine.cost_probe import probe_by_forwards, probe_by_writes, probe_cost, written_kv
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -14,7 +14,7 @@ from mlxserve.cli import main as cli_main
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
 from mlxserve.models.loaded import ModelLoadError
-from mlxserve.models.synthetic import FAMILIES, make_model
+from mlxserve.models.tiny.synthetic import FAMILIES, make_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Tell me a story about it."
 

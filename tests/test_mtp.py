@@ -24,18 +24,18 @@ from engine_helpers import started_engine, tokens_and_stats
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import core as engine_core
-from mlxserve.engine.mtp_drafter import MtpDrafter
 from mlxserve.engine.request import Constraint, EngineNotReady, SamplingParams
+from mlxserve.engine.spec.mtp_drafter import MtpDrafter
+from mlxserve.models.deepseek_v4.mtp import MtpHead, has_mtp_weights, load_mtp_head
 from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.mtp import MtpHead, has_mtp_weights, load_mtp_head
 
 Job = tuple[list[int], SamplingParams]
 
 
 @pytest.fixture(scope="module")
 def mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     return make_model(tmp_path_factory.mktemp("v4-mtp"), "deepseek_v4", mtp_layers=1)
 

@@ -19,12 +19,12 @@ from mlxserve.api.model_specs import ModelSpec, model_specs, parse_model_option
 from mlxserve.cli import build_parser
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
-from mlxserve.engine.kv_pool import KVPool
+from mlxserve.engine.budget import KVPool
 from mlxserve.engine.request import SamplingParams
 from mlxserve.engine.runner import Runner
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
-from mlxserve.models.scripted import write_checkpoint
+from mlxserve.models.tiny.scripted import write_checkpoint
 
 ANSWER = "The big model answers: all tests pass."
 SCRIPT = f"Thinking it over.</think>{ANSWER}"

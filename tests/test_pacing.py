@@ -280,13 +280,13 @@ def test_a_deep_model_feeds_a_hit_suffix_whole_where_a_split_would_cost_a_forwar
     decode = StepResult(decode_tokens=1, decode_s=0.030)  # 30 ms a forward, as on Metal
     shallow = _paced_scheduler(_hit("a", 7232, 7000), min_chunk_tokens=1)
     shallow.pacer.observe(decode)
-    shallow.num_layers = 2  # 232 tokens x 1 ms / 2 layers = 116 ms > 30 ms: split
+    shallow.sizer.num_layers = 2  # 232 tokens x 1 ms / 2 layers = 116 ms > 30 ms: split
     plan = StepPlan()
     shallow._plan_prefills(plan)
     assert [(c.num_tokens, c.is_last) for c in plan.prefills] == [(231, False)]
     deep = _paced_scheduler(_hit("b", 7232, 7000), min_chunk_tokens=1)
     deep.pacer.observe(decode)
-    deep.num_layers = 43  # 232 / 43 = 5.4 ms < 30 ms: one chunk ends the prompt
+    deep.sizer.num_layers = 43  # 232 / 43 = 5.4 ms < 30 ms: one chunk ends the prompt
     plan = StepPlan()
     deep._plan_prefills(plan)
     assert [(c.num_tokens, c.is_last) for c in plan.prefills] == [(232, True)]

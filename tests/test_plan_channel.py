@@ -25,8 +25,7 @@ from hypothesis import strategies as st
 from mlxserve.cache.snapshot import cache_arrays
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
-from mlxserve.engine.distributed import Follower, PeerLost, PlanPublisher
-from mlxserve.engine.plan_codec import (
+from mlxserve.engine.distributed.codec import (
     PlanDecodeError,
     PlanKind,
     WireChunk,
@@ -34,6 +33,9 @@ from mlxserve.engine.plan_codec import (
     decode,
     encode,
 )
+from mlxserve.engine.distributed.follower import Follower
+from mlxserve.engine.distributed.group import PeerLost
+from mlxserve.engine.distributed.publisher import PlanPublisher
 from mlxserve.engine.request import SamplingParams
 from mlxserve.models.load import load
 

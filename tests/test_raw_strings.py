@@ -28,7 +28,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from mlxserve.api.raw_strings import MAX_MIN_LENGTH, search_regex
 from mlxserve.api.structured import OutputConstraint, StructuredOutputError, constraint_grammar
-from mlxserve.models.scripted import deepseek_tokenizer_dir
+from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 from mlxserve.parsers import ToolCallArgs, ToolCallEnd, preset
 from mlxserve.parsers.dsml import DSML_V4, DSML_V41, DsmlDialect
 

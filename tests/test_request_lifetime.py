@@ -26,7 +26,7 @@ from mlxserve.api.run import GenerationRun, RunMeta
 from mlxserve.api.stops import StopMatcher
 from mlxserve.engine.request import Request
 from mlxserve.engine.sampling import SamplerState
-from mlxserve.models.scripted import scripted_model
+from mlxserve.models.tiny.scripted import scripted_model
 from mlxserve.parsers.chain import OutputParser
 
 pytestmark = pytest.mark.slow

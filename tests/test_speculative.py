@@ -20,11 +20,11 @@ from engine_helpers import tokens_and_stats
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import core as engine_core
-from mlxserve.engine.drafting import NgramDrafter, Speculator
 from mlxserve.engine.request import Constraint, SamplingParams
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.sampling import new_sampler_state
-from mlxserve.engine.verify import verify_rows
+from mlxserve.engine.spec.drafting import NgramDrafter, Speculator
+from mlxserve.engine.spec.verify import verify_rows
 from mlxserve.models.load import load
 
 Job = tuple[list[int], SamplingParams]

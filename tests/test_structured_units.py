@@ -8,7 +8,7 @@ from typing import Any
 import llguidance
 
 from mlxserve.api.structured import OutputConstraint, constraint_grammar, strict_calls
-from mlxserve.models.scripted import deepseek_tokenizer_dir
+from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 from mlxserve.parsers.dsml import DSML_V4, DSML_V41, DsmlDialect
 
 

@@ -32,7 +32,7 @@ REPLACEMENT = "\ufffd"
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from mlxserve.models.load import load_tokenizer
-    from mlxserve.models.scripted import deepseek_tokenizer_dir
+    from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 
     return load_tokenizer(deepseek_tokenizer_dir())
 

@@ -19,7 +19,7 @@ from mlxserve.api.model_specs import ModelSpec, model_specs
 from mlxserve.api.models import ServedModels
 from mlxserve.api.state import ServerState
 from mlxserve.config import EngineConfig, ServerConfig
-from mlxserve.engine.kv_pool import KVPool
+from mlxserve.engine.budget import KVPool
 from mlxserve.kv_quant import KVQuant
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
@@ -27,7 +27,7 @@ from mlxserve.models.resolve import resolve_model
 from mlxserve.versions import check_versions
 
 if TYPE_CHECKING:
-    from mlxserve.engine.distributed import PlanGroup
+    from mlxserve.engine.distributed.group import PlanGroup
     from mlxserve.models.shard import Sharding
 
 logger = logging.getLogger("mlxserve.serve")
@@ -82,7 +82,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 def model_path(args: argparse.Namespace) -> Path:
     if args.demo:
-        from mlxserve.models.demo import demo_model_path
+        from mlxserve.models.tiny.demo import demo_model_path
 
         return demo_model_path(args.demo)
     if not args.model:
@@ -110,8 +110,8 @@ def checked_model_path(
     with the reason. `source` is one of several models' PATH_OR_ID (else the
     positional MODEL, or --demo).
     """
+    from mlxserve.models.deepseek_v4.mtp import require_mtp_weights
     from mlxserve.models.load import check_model_dir
-    from mlxserve.models.mtp import require_mtp_weights
     from mlxserve.models.quantized_cache import check_model_quantizable
 
     requantize = getattr(args, "gguf_requantize", None)
@@ -186,7 +186,7 @@ def _model_state(
     progress = LoadProgress(bar=None if loader is None else False)
     publisher = None
     if group is not None:
-        from mlxserve.engine.distributed import PlanPublisher
+        from mlxserve.engine.distributed.publisher import PlanPublisher
 
         publisher = PlanPublisher(group)
     if loader is None:
@@ -227,7 +227,7 @@ def sharding_for(args: argparse.Namespace, group: PlanGroup | None) -> Sharding 
 def run(args: argparse.Namespace) -> int:
     group = None
     if getattr(args, "distributed", None):
-        from mlxserve.engine.distributed import join_group
+        from mlxserve.engine.distributed.group import join_group
 
         try:
             group = join_group()
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         format=f"%(asctime)s %(levelname)s{rank} %(name)s: %(message)s",
     )
     if group is not None and group.rank > 0:
-        from mlxserve.engine.follower_main import run_follower
+        from mlxserve.engine.distributed.launch import run_follower
 
         return run_follower(
             lambda: checked_model_path(args),

@@ -43,7 +43,7 @@ PLAIN_KV = ("qwen3", "llama")
 
 def quantized_tiny(family: str, root: Path) -> Path:
     """A tiny random-weight checkpoint of `family`, converted to 4 bits by its converter."""
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     source = make_model(root / f"{family}-hf", family, seed=0)
     out = root / f"{family}-4bit"

@@ -76,7 +76,7 @@ async def _measure(
 
 
 def _weights(model: Any) -> int:
-    from mlxserve.engine.memory import weights_nbytes
+    from mlxserve.engine.budget import weights_nbytes
 
     return int(weights_nbytes(getattr(model.model, "module", model.model)))
 
@@ -99,7 +99,8 @@ def single(path: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def worker(args: argparse.Namespace) -> int:
     """One rank of a distributed run (started by mlx.launch)."""
-    from mlxserve.engine.distributed import PlanPublisher, join_group
+    from mlxserve.engine.distributed.group import join_group
+    from mlxserve.engine.distributed.publisher import PlanPublisher
     from mlxserve.models.load import load
     from mlxserve.models.shard import Sharding
 
@@ -108,8 +109,9 @@ def worker(args: argparse.Namespace) -> int:
     sharding = Sharding(args.mode, group.group)
     config = EngineConfig(max_num_seqs=args.requests, distributed=args.mode)
     if group.rank > 0:
-        from mlxserve.engine.distributed import Follower, shared_budget
-        from mlxserve.engine.memory import default_kv_budget
+        from mlxserve.engine.budget import default_kv_budget
+        from mlxserve.engine.distributed.follower import Follower
+        from mlxserve.engine.distributed.group import shared_budget
 
         model = load(args.model, shard=sharding, with_tokenizer=False)
         follower = Follower(model, group, None)
@@ -228,7 +230,7 @@ def measure(path: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxserve.models.synthetic import VOCAB_SIZE, make_model
+    from mlxserve.models.tiny.synthetic import VOCAB_SIZE, make_model
 
     args.vocab = VOCAB_SIZE
     with tempfile.TemporaryDirectory() as tmp:

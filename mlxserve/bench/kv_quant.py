@@ -38,8 +38,9 @@ import mlx.core as mx
 
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
+from mlxserve.engine.budget import CacheCost
+from mlxserve.engine.cost_probe import probe_cost
 from mlxserve.engine.decode_batch import DecodeBatch
-from mlxserve.engine.memory import CacheCost, probe_cost
 from mlxserve.engine.request import SamplingParams
 from mlxserve.kv_quant import KVQuant
 from mlxserve.models.load import load
@@ -60,7 +61,7 @@ def tiny_head64_model(out: Path, layers: int = 4) -> Path:
 
     Made by `make-model` and re-shaped in its config: 2 heads x 64 is the same
     128 query columns as 4 x 32, and 1 KV head x 64 the same 64 as 2 x 32."""
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     make_model(out, "llama", seed=0, layers=layers, hidden=128)
     config = json.loads((out / "config.json").read_text())
@@ -214,8 +215,8 @@ def quality_figures(model_dir: Path, count: int) -> dict[str, Any]:
 
 
 def _smollm2_dir() -> Path:
-    from mlxserve.models.demo import smollm2_gguf
     from mlxserve.models.gguf import convert_gguf
+    from mlxserve.models.tiny.demo import smollm2_gguf
 
     return convert_gguf(smollm2_gguf())
 

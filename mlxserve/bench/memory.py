@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             path = Path(args.model)
         else:
-            from mlxserve.models.synthetic import make_model
+            from mlxserve.models.tiny.synthetic import make_model
 
             path = make_model(Path(tmp) / "llama-h64", "llama", seed=0, hidden=64)
         figures = measure(path, scenario)

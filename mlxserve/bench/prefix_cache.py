@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         if args.model:
             path = Path(args.model)
         else:
-            from mlxserve.models.synthetic import make_model
+            from mlxserve.models.tiny.synthetic import make_model
 
             path = make_model(Path(tmp) / "deepseek_v4", "deepseek_v4", seed=0)
         figures: dict[str, Any] = {"model": str(args.model or "tiny deepseek_v4")}

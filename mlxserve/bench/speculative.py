@@ -190,7 +190,7 @@ async def _measure(path: Path, k: int, file_tokens: int, rounds: int) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    from mlxserve.models.synthetic import make_model
+    from mlxserve.models.tiny.synthetic import make_model
 
     k = args.num_draft_tokens
     if getattr(args, "real", False):

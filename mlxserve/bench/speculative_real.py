@@ -67,7 +67,7 @@ async def _run(path: Path, speculative: str, k: int) -> tuple[list[int], dict[st
 
 def measure_real(k: int) -> dict[str, Any]:
     """The figures on the real model (fetched and converted on first use)."""
-    from mlxserve.models.demo import demo_model_path
+    from mlxserve.models.tiny.demo import demo_model_path
 
     path = demo_model_path("smollm2")
     plain, _ = asyncio.run(_run(path, "off", k))

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         if args.url is None:
             model = args.model
             if model is None:
-                from mlxserve.models.synthetic import make_model
+                from mlxserve.models.tiny.synthetic import make_model
 
                 model = str(make_model(Path(tmp) / "llama-h64", "llama", seed=0, hidden=64))
             local = LocalServer(model, args.streams).__enter__()

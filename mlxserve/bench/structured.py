@@ -31,7 +31,7 @@ from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.constraint import ConstraintState, GrammarTokenizer
 from mlxserve.engine.request import Constraint, SamplingParams
 from mlxserve.models.load import load
-from mlxserve.models.synthetic import make_model
+from mlxserve.models.tiny.synthetic import make_model
 
 FAMILIES = ("deepseek_v4", "qwen3")
 # Single rounds' ratios swing by 10-25% on a shared 2-core machine: five rounds give

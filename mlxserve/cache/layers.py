@@ -15,7 +15,7 @@ refused rather than guessed at.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,17 +69,8 @@ class Kind:
     tag: str
     parts: Callable[[Any], LayerParts]
     build: Callable[[LayerParts], Any]
-    arrays: Callable[[Any], Iterator[mx.array]]
     offset: Callable[[Any], int | None]
     trimmable: Callable[[Any], bool]
-
-
-def _present(*arrays: Any) -> Iterator[mx.array]:
-    for a in arrays:
-        if isinstance(a, mx.array):
-            yield a
-        elif isinstance(a, tuple | list):
-            yield from _present(*a)
 
 
 def _never(_: Any) -> bool:
@@ -96,10 +87,6 @@ def _attr_offset(c: Any) -> int | None:
 
 def _no_offset(_: Any) -> int | None:
     return None
-
-
-def _kv_arrays(c: Any) -> Iterator[mx.array]:
-    return _present(c.keys, c.values)
 
 
 def _rows(a: mx.array, n: int) -> mx.array:
@@ -269,10 +256,6 @@ def _vlm_arrays_build(p: LayerParts) -> vlm_cache.ArraysCache:
     return new
 
 
-def _arrays_cache_arrays(c: Any) -> Iterator[mx.array]:
-    return _present(c.cache, c.left_padding, c.lengths)
-
-
 # --- PoolingCache (mlx-vlm DeepSeek-V4 compressed KV) ----------------------------
 
 _POOLING_FIELDS = ("buf_kv", "buf_gate", "pooled")
@@ -303,16 +286,12 @@ def _carrying_parts(c: Any) -> LayerParts:
 
 
 def _carrying_build(p: LayerParts) -> Any:
-    from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+    from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
 
     new = _pooling_build(p, CarryingPoolingCache(p.meta["ratio"]))
     for name in _CARRY_FIELDS:
         setattr(new, name, p.arrays[name])
     return new
-
-
-def _pooling_arrays(c: Any) -> Iterator[mx.array]:
-    return _present(*(getattr(c, name, None) for name in _POOLING_FIELDS + _CARRY_FIELDS))
 
 
 def _pooling_offset(c: Any) -> int | None:
@@ -340,10 +319,6 @@ def _v41_build(p: LayerParts) -> lm_v41.LayerCache:
     return new
 
 
-def _v41_arrays(c: Any) -> Iterator[mx.array]:
-    return _present(*(getattr(c, name) for name in _LAYER_FIELDS))
-
-
 # --- CacheList (recursive) ---------------------------------------------------------
 
 
@@ -353,10 +328,6 @@ def _cache_list_kind(cls: type, tag: str) -> Kind:
 
     def build(p: LayerParts) -> Any:
         return cls(*(build_layer(child) for child in p.children))
-
-    def arrays(c: Any) -> Iterator[mx.array]:
-        for sub in c.caches:
-            yield from kind_of(sub).arrays(sub)
 
     def offset(c: Any) -> int | None:
         for sub in c.caches:
@@ -368,19 +339,19 @@ def _cache_list_kind(cls: type, tag: str) -> Kind:
     def trimmable(c: Any) -> bool:
         return len(c.caches) > 0 and all(kind_of(sub).trimmable(sub) for sub in c.caches)
 
-    return Kind(tag, parts, build, arrays, offset, trimmable)
+    return Kind(tag, parts, build, offset, trimmable)
 
 
 @functools.cache
 def _registry() -> dict[type, Kind]:
-    from mlxserve.models.dsv4_overlap import CarryingPoolingCache
+    from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
 
     def kv(tag: str, parts: Any, build: Any, trimmable: Callable[[Any], bool]) -> Kind:
-        return Kind(tag, parts, build, _kv_arrays, _attr_offset, trimmable)
+        return Kind(tag, parts, build, _attr_offset, trimmable)
 
     def arrays_cache(tag: str, build: Any) -> Kind:
         parts = functools.partial(_arrays_parts, tag)
-        return Kind(tag, parts, build, _arrays_cache_arrays, _no_offset, _never)
+        return Kind(tag, parts, build, _no_offset, _never)
 
     return {
         lm_cache.KVCache: kv("mlx_lm.KVCache", _lm_kv_parts, _lm_kv_build, _always),
@@ -411,7 +382,6 @@ def _registry() -> dict[type, Kind]:
             "mlx_vlm.PoolingCache",
             _pooling_parts,
             _pooling_build,
-            _pooling_arrays,
             _pooling_offset,
             _never,
         ),
@@ -419,7 +389,6 @@ def _registry() -> dict[type, Kind]:
             "mlxserve.CarryingPoolingCache",
             _carrying_parts,
             _carrying_build,
-            _pooling_arrays,
             _pooling_offset,
             _never,
         ),
@@ -427,7 +396,6 @@ def _registry() -> dict[type, Kind]:
             "mlx_lm.deepseek_v41.LayerCache",
             _v41_parts,
             _v41_build,
-            _v41_arrays,
             _attr_offset,
             _never,
         ),

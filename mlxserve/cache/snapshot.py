@@ -27,10 +27,12 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.cache.arrays import cache_arrays, cache_nbytes
 from mlxserve.cache.layers import UnsupportedCacheError, build_layer, kind_of, layer_parts
 
 __all__ = [
     "UnsupportedCacheError",
+    "cache_arrays",
     "cache_nbytes",
     "cache_offset",
     "copy_cache",
@@ -70,23 +72,6 @@ def _copy_one(cache: Any, fn: ArrayFn = _copy_array) -> Any:
     return build_layer(layer_parts(cache).mapped(fn))
 
 
-def _unique_arrays(caches: Sequence[Any]) -> list[mx.array]:
-    seen: dict[int, mx.array] = {}
-    for c in caches:
-        for a in kind_of(c).arrays(c):
-            seen.setdefault(id(a), a)
-    return list(seen.values())
-
-
-def cache_arrays(caches: Sequence[Any]) -> list[mx.array]:
-    """Every array a per-layer cache list holds, each once: what a forward must
-    evaluate to have fed its tokens into the cache.
-
-    Raises UnsupportedCacheError for a cache class this module does not know.
-    """
-    return _unique_arrays(caches)
-
-
 def copy_cache(caches: Sequence[Any], wait: bool = True) -> list[Any]:
     """A deep copy of a per-layer cache list with buffers of its own, safe from later writes.
 
@@ -96,7 +81,7 @@ def copy_cache(caches: Sequence[Any], wait: bool = True) -> list[Any]:
     Raises UnsupportedCacheError for a cache class this module does not know.
     """
     copies = [_copy_one(c) for c in caches]
-    arrays = _unique_arrays(copies)
+    arrays = cache_arrays(copies)
     if arrays:
         if wait:
             mx.eval(arrays)
@@ -114,14 +99,6 @@ def share_cache(caches: Sequence[Any]) -> list[Any]:
     The copy, where the cache type needs one, happens inside the next forward.
     """
     return [_copy_one(c, _share_array) for c in caches]
-
-
-def cache_nbytes(caches: Sequence[Any]) -> int:
-    """Bytes held by the arrays of a per-layer cache list (nested lists walked).
-
-    Each array counts once even if several fields refer to it.
-    """
-    return sum(a.nbytes for a in _unique_arrays(caches))
 
 
 def is_trimmable(caches: Sequence[Any]) -> bool:

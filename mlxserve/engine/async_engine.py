@@ -20,9 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from mlxserve.config import EngineConfig
+from mlxserve.engine.budget import KVPool
 from mlxserve.engine.core import EngineCore
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.kv_pool import KVPool
 from mlxserve.engine.request import (
     EngineNotReady,
     EngineOverloaded,
@@ -34,7 +34,7 @@ from mlxserve.engine.request import (
 from mlxserve.models.loaded import LoadedModel
 
 if TYPE_CHECKING:
-    from mlxserve.engine.distributed import PlanPublisher
+    from mlxserve.engine.distributed.publisher import PlanPublisher
 
 logger = logging.getLogger(__name__)
 

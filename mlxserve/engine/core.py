@@ -24,27 +24,27 @@ from typing import TYPE_CHECKING, TypeVar
 
 import mlx.core as mx
 
+from mlxserve.cache.arrays import cache_nbytes
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
+from mlxserve.engine.budget import KVBudget, KVPool, default_kv_budget, weights_nbytes
 from mlxserve.engine.constraint import ConstraintError
-from mlxserve.engine.distributed import PeerLost
-from mlxserve.engine.drafting import Speculator, make_speculator
+from mlxserve.engine.distributed.group import PeerLost
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.kv_pool import KVPool
-from mlxserve.engine.memory import KVBudget, default_kv_budget, live_nbytes, weights_nbytes
-from mlxserve.engine.mtp_drafter import MtpDrafter
 from mlxserve.engine.plan import StepPlan
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.runner import Runner
 from mlxserve.engine.scheduler import Scheduler
+from mlxserve.engine.spec.drafting import Speculator, make_speculator
+from mlxserve.engine.spec.mtp_drafter import MtpDrafter
+from mlxserve.models.deepseek_v4.mtp import load_mtp_head, require_mtp_weights
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
-from mlxserve.models.mtp import load_mtp_head, require_mtp_weights
 from mlxserve.models.quantized_cache import apply_kv_quant
 
 if TYPE_CHECKING:
     from mlxserve.cache.disk_tier import DiskTier
     from mlxserve.cache.prefix_cache import PrefixCache
-    from mlxserve.engine.distributed import PlanPublisher
+    from mlxserve.engine.distributed.publisher import PlanPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -280,14 +280,14 @@ class EngineCore:
             speculator = make_speculator(mode, c.num_draft_tokens, c.ngram_size)
         if speculator is None:
             return None
-        if runner.verify_rows_limit == 0:
+        if runner.verify.rows_limit == 0:
             logger.warning(
                 "speculative decoding is off for %s: its caches cannot be cut back after "
                 "a verify forward yet",
                 model.model_type,
             )
             return None
-        speculator.max_rows = runner.verify_rows_limit
+        speculator.max_rows = runner.verify.rows_limit
         runner.tap.drafter = mtp
         return speculator
 
@@ -359,7 +359,7 @@ class EngineCore:
             budget = default_kv_budget(weights)
             source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
         if self.publisher is not None:
-            from mlxserve.engine.distributed import shared_budget
+            from mlxserve.engine.distributed.group import shared_budget
 
             budget = shared_budget(self.publisher.group, budget, cost.bytes_per_token)
             source += ", the smallest any rank can afford"
@@ -477,7 +477,7 @@ class EngineCore:
             self.kv_bytes = held
             pending = [r.cache for r in scheduler.running if r.cache is not None]
             if pending:
-                held += live_nbytes(pending)
+                held += cache_nbytes(pending)
             if self.prefix_cache is not None:
                 held += self.prefix_cache.nbytes
         except Exception:  # a gauge, not a step: the figures wait for the next step

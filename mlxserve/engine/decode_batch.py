@@ -21,6 +21,7 @@ from mlx_lm.models.cache import (
     RotatingKVCache,
 )
 
+from mlxserve.cache.arrays import cache_arrays
 from mlxserve.engine.sampling import PendingLogits, PendingSample
 from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
@@ -35,7 +36,7 @@ _LM_BATCHED: dict[type, Any] = {
 def mergeable(layer: Any) -> bool:
     if type(layer) in _LM_BATCHED:
         return True
-    from mlxserve.models.dsv4_batch import mergeable as model_mergeable
+    from mlxserve.models.deepseek_v4.batch import mergeable as model_mergeable
 
     return model_mergeable(layer)
 
@@ -45,7 +46,7 @@ def _merge_layer(layer: Any) -> Any:
     batched = _LM_BATCHED.get(type(layer))
     if batched is not None:
         return batched.merge([layer])
-    from mlxserve.models.dsv4_batch import merge_layer
+    from mlxserve.models.deepseek_v4.batch import merge_layer
 
     return merge_layer(layer)
 
@@ -56,7 +57,7 @@ class DecodeBatch:
 
     `ahead`: the next step, already fed to the cache: its tokens being drawn, or
     only its logits when its rows draw after reading this step's tokens (see
-    `Runner._decode_group`); rows leaving the batch leave it too.
+    `Runner._decode_rows`); rows leaving the batch leave it too.
     """
 
     request_ids: list[str] = field(default_factory=list)
@@ -113,23 +114,4 @@ def _evaluate_held_arrays(layers: list[Any]) -> None:
     docs/architecture.md). Scheduled, not awaited: the next forward needs most
     of them anyway.
     """
-    mx.async_eval(_held_arrays(layers))
-
-
-def _held_arrays(objects: list[Any]) -> list[mx.array]:
-    """The arrays held in the attributes of these cache objects and of the caches
-    they nest (a `CacheList` keeps its layers in a list)."""
-    arrays: list[mx.array] = []
-    pending, seen = list(objects), set()
-    while pending:
-        cache = pending.pop()
-        if id(cache) in seen:
-            continue
-        seen.add(id(cache))
-        for value in vars(cache).values():
-            for item in value if isinstance(value, list | tuple) else (value,):
-                if isinstance(item, mx.array):
-                    arrays.append(item)
-                elif hasattr(item, "__dict__") and not isinstance(item, type):
-                    pending.append(item)
-    return arrays
+    mx.async_eval(cache_arrays(layers))

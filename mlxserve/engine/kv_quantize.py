@@ -27,7 +27,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from mlxserve.engine.memory import CacheCost, probe_cost
+from mlxserve.engine.budget import CacheCost
+from mlxserve.engine.cost_probe import probe_cost
 from mlxserve.engine.plan import PrefillChunk
 from mlxserve.kv_quant import KVQuant
 from mlxserve.models.loaded import LoadedModel

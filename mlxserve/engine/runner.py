@@ -1,25 +1,21 @@
 """The code that runs the model: prefill chunks, batched decode, sampling.
 
 `run(plan)` is one step: free what finished, one forward over every decode
-row, then the plan's prefill chunks. Decode rows (one token each) and prefill
-chunks do not share a forward: mlx-lm's batched caches advance every row by
-the same length, so a decode row in a chunk's forward would be padded to the
-chunk's length, costing that many times its compute and leaving as many
-padding columns in its cache each step (docs/mixed-batches.md has the
-measurements). Requests prefill over their own caches. A finished prefill
-joins the decode batch (`decode_batch.py`) when every layer of its cache can
-be merged: mlx-lm's plain and sliding-window KV caches (`BatchKVCache`,
-`BatchRotatingKVCache`, left-padded), mlx-vlm's DeepSeek-V4 caches and
-DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`,
-`models/dsv41_cache.py`). Other cache types cannot be merged, so each such
-request decodes as its own batch of one.
+row, then the plan's prefill chunks. Decode rows and prefill chunks do not
+share a forward: mlx-lm's batched caches advance every row by the same
+length, so a decode row in a chunk's forward would be padded to the chunk's
+length (docs/mixed-batches.md has the measurements). Requests prefill over
+their own caches; a finished prefill joins the decode batch
+(`decode_batch.py`) when every layer of its cache can be merged (mlx-lm's
+plain and sliding-window KV caches, left-padded; DeepSeek-V4's and V4.1's
+caches, see `models/deepseek_v4/`). Other caches decode as batches of one.
 
-A decode step with no prefill beside it runs ahead: it starts the next
-step's forward over the tokens it is still drawing, so Python builds the next
-graph while this one computes (`DecodeBatch.ahead`). A decode step with
-prefill chunks beside it is started before the first chunk's graph is built
-and its tokens are read only then, so building that graph overlaps the
-decode forward.
+Decode runs in one of three modes (`DecodeMode`): plain; ahead, where a
+step with no prefill beside it starts the next step's forward over the
+tokens it is still drawing, so Python builds the next graph while this one
+computes (`DecodeBatch.ahead`); overlap, where a step with prefill chunks
+beside it is started before the first chunk's graph is built and its tokens
+are read only then. Rows with drafts verify them (`spec/verify_step.py`).
 
 Snapshots for the prefix cache are scheduled with `mx.async_eval` after the
 step's tokens are sampled, so the copies overlap what follows.
@@ -27,6 +23,7 @@ step's tokens are sampled, so the copies overlap what follows.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -35,8 +32,11 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.cache.arrays import cache_arrays, cache_nbytes
 from mlxserve.engine import faults
+from mlxserve.engine.budget import CacheCost
 from mlxserve.engine.constraint import GrammarTokenizer
+from mlxserve.engine.cost_probe import probe_cost
 from mlxserve.engine.decode_batch import DecodeBatch, mergeable
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.kv_quantize import (
@@ -45,12 +45,11 @@ from mlxserve.engine.kv_quantize import (
     quantized_probe_cost,
     settle,
 )
-from mlxserve.engine.memory import CacheCost, live_nbytes, probe_cost
-from mlxserve.engine.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
     RequestOutput,
+    Snapshot,
     StepPlan,
     StepResult,
 )
@@ -62,8 +61,6 @@ from mlxserve.engine.prefill_group import (
 )
 from mlxserve.engine.request import Request
 from mlxserve.engine.restores import advance_restores
-from mlxserve.engine.rollback import verify_rows_limit
-from mlxserve.engine.runner_verify import VerifySteps
 from mlxserve.engine.sampling import (
     PendingLogits,
     PendingSample,
@@ -76,6 +73,8 @@ from mlxserve.engine.sampling import (
     sample_rows,
 )
 from mlxserve.engine.snapshots import SnapshotTaker
+from mlxserve.engine.spec.mtp_drafter import HiddenTap, decode_positions
+from mlxserve.engine.spec.verify_step import VerifyStep
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.quantized_cache import query_heads
 
@@ -86,16 +85,25 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-class _Once:
-    """Call `work` the first time this is called, and never again."""
+class DecodeMode(enum.Enum):
+    """How a decode step's tokens are read (the three are greedy-identical)."""
 
-    def __init__(self, work: Callable[[], None] | None) -> None:
-        self._work = work
+    PLAIN = "plain"  # forward, then read the tokens
+    AHEAD = "ahead"  # also start the next step's forward before reading them
+    OVERLAP = "overlap"  # start the forward; read the tokens once the chunks' graphs are built
 
-    def __call__(self) -> None:
-        work, self._work = self._work, None
-        if work is not None:
-            work()
+
+class _DecodeTokens:
+    """What reads this step's decode tokens: nothing, or an overlapped step's read.
+    `read` may be called at every point the tokens could be needed; it reads once."""
+
+    def __init__(self, read: Callable[[], None] | None = None) -> None:
+        self._read = read
+
+    def read(self) -> None:
+        read, self._read = self._read, None
+        if read is not None:
+            read()
 
 
 @dataclass
@@ -108,7 +116,7 @@ class _BuiltChunk:
     build_s: float
 
 
-class Runner(VerifySteps):
+class Runner:
     def __init__(
         self, model: LoadedModel, fault: FaultHook | None = None, decode_ahead: bool = True
     ) -> None:
@@ -131,8 +139,6 @@ class Runner(VerifySteps):
         self.kv_quant = kv_quant_of(model)
         self.query_heads = query_heads(model.config)
         self.cost: CacheCost | None = None
-        # How many rows may verify drafts together (`rollback.py`; 0: none, None: any).
-        self.verify_rows_limit = verify_rows_limit(probe, self.batchable)
         if not self.batchable:
             kinds = sorted({type(layer).__name__ for layer in probe})
             logger.warning(
@@ -149,6 +155,7 @@ class Runner(VerifySteps):
         self.samplers: dict[str, SamplerState] = {}
         self.snapshots = SnapshotTaker(fault)
         self.tap = HiddenTap(model)  # the forwards; an MTP drafter, if set, reads their states
+        self.verify = VerifyStep(model, self.tap, probe, self.batchable, fault)
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
         self.grammar = GrammarTokenizer(model.path / "tokenizer.json", model.vocab_size, eos)
 
@@ -185,10 +192,10 @@ class Runner(VerifySteps):
 
     def live_bytes(self) -> int:
         """Bytes the live caches hold now (decode batch and per-request caches)."""
-        return live_nbytes([self.batch.cache, *self.caches.values()])
+        return cache_nbytes([self.batch.cache, *self.caches.values()])
 
     def probe_cost(self) -> CacheCost:
-        """This model's cache bytes against its tokens (see `memory.probe_cost`)."""
+        """This model's cache bytes against its tokens (see `cost_probe.probe_cost`)."""
         if self.kv_quant is not None and self.kv_quant.quantize_after > 0:
             self.cost = quantized_probe_cost(self.model, self.batchable, self.kv_quant)
         else:
@@ -200,33 +207,25 @@ class Runner(VerifySteps):
         result = StepResult()
         self._join(set(plan.released), result)
         try:
-            self._snapshot_completed(plan.completed, result)
+            if self.completion_snapshots:
+                taken = self.snapshots.of_completed(plan.completed, self.batch, self.caches)
+                result.outputs += [RequestOutput(rid, snapshot=snap) for rid, snap in taken]
         finally:
             self._release_finished(plan.released, result)
         self.preempt(plan.preempted)
         if result.unreleased:
             return result  # the decode batch may be inconsistent: the engine recovers first
-        # Reads the decode rows' tokens, if their forward is still running.
-        settle = _Once(None)
-        if plan.decodes:
-            settle = _Once(
-                self._decode(
-                    plan,
-                    result,
-                    ahead=self._can_run_ahead(plan),
-                    overlap=self._can_overlap(plan),
-                )
-            )
+        decoded = self._decode(plan, result) if plan.decodes else _DecodeTokens()
         solo = plan.prefills
         if self.group_prefill and len(solo) > 1:
-            settle()
+            decoded.read()
             solo = self._prefill_group(plan.prefills, result)
         for chunk in solo:
             built = self._build_chunk(chunk, result)
-            settle()  # the first chunk's graph is built: read the decode tokens now
+            decoded.read()  # the first chunk's graph is built: read the decode tokens now
             if built is not None:
                 self._feed_chunk(built, result)
-        settle()
+        decoded.read()
         advance_restores(plan.restores, result.restored)
         return result
 
@@ -384,132 +383,121 @@ class Runner(VerifySteps):
     def _feed_only(self, logits: mx.array, cache: list[Any]) -> None:
         """Evaluate what a chunk wrote into the cache, not its logits: nothing samples
         from a chunk that does not end the prompt, so there the head never runs."""
-        from mlxserve.cache.snapshot import UnsupportedCacheError, cache_arrays
-
-        try:
-            arrays = cache_arrays(cache)
-        except UnsupportedCacheError:
-            arrays = [logits]
-        mx.eval(arrays)
-
-    def _snapshot_completed(
-        self, completed: list[tuple[str, list[int]]], result: StepResult
-    ) -> None:
-        """`prompt + output` snapshots of finished requests, for trimmable (batched KV) caches.
-
-        Caches that cannot be trimmed never get such an entry: a later prompt
-        that re-renders the reply differently could not reuse it.
-        """
-        if not self.completion_snapshots:
-            return
-        for request_id, key_ids in completed:
-            if request_id in self.batch.request_ids:
-                snapshot = self.snapshots.of_row(self.batch, request_id, key_ids)
-            elif request_id in self.caches:  # it had not joined the batch yet
-                snapshot = self.snapshots.of_cache(request_id, key_ids, self.caches[request_id])
-            else:
-                continue
-            if snapshot is not None:
-                result.outputs.append(RequestOutput(request_id, snapshot=snapshot))
+        mx.eval(cache_arrays(cache) or [logits])
 
     # -- decode -------------------------------------------------------------
-    def _can_run_ahead(self, plan: StepPlan) -> bool:
-        """Whether this step may also start the next decode step before its tokens are read.
-
-        Only when the next step's rows are known now: no prefill in this step
-        (its requests would join next step) and every row samples without the
-        host knowing its tokens. A row that finishes leaves the batch with its
-        token drawn ahead unread; its `prompt + output` snapshot is trimmed
-        back to what it has output.
-        """
-        if not (self.decode_ahead and self.batchable) or plan.prefills or self.joining:
-            return False
-        # Rows that draw only after reading their tokens still run their forward ahead.
-        return not plan.drafts
-
-    def _can_overlap(self, plan: StepPlan) -> bool:
-        """Whether this step's decode tokens may be read after a chunk's graph is built."""
-        if not (self.decode_ahead and self.batchable and plan.prefills):
-            return False
-        return not plan.drafts and self._pipelinable(plan.decodes)
+    def _decode_mode(self, plan: StepPlan) -> DecodeMode:
+        """AHEAD only when the next step's rows are known now: no prefill in this step
+        (its requests would join next step) and no drafts. A row that finishes
+        leaves the batch with its token drawn ahead unread; its `prompt + output`
+        snapshot is trimmed back to what it has output. OVERLAP when prefill
+        chunks run beside the decode and every row samples without the host
+        knowing its tokens first."""
+        if not (self.decode_ahead and self.batchable) or plan.drafts:
+            return DecodeMode.PLAIN
+        if not plan.prefills:
+            return DecodeMode.PLAIN if self.joining else DecodeMode.AHEAD
+        return DecodeMode.OVERLAP if self._pipelinable(plan.decodes) else DecodeMode.PLAIN
 
     def _pipelinable(self, requests: list[Request]) -> bool:
         return all(pipelinable(r.params, self.samplers[r.request_id]) for r in requests)
 
-    def _decode(
-        self, plan: StepPlan, result: StepResult, ahead: bool = False, overlap: bool = False
-    ) -> Callable[[], None] | None:
-        """Decode every running row; with `overlap`, may return what reads their tokens.
-
-        Rows with drafts verify them instead, when their cache can be cut back
-        and no step ran ahead of them."""
+    def _decode(self, plan: StepPlan, result: StepResult) -> _DecodeTokens:
+        """Decode every running row (rows with drafts verify them instead, when their
+        cache can be cut back and no step ran ahead of them)."""
         finish, drafts = plan.finish_rule, plan.drafts
-        if self.batchable:
-            by_id = {r.request_id: r for r in plan.decodes}
-            ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
-            cache = self.batch.cache
-            if self.batch.ahead is None and self._verifiable(ordered, drafts):
-                self._verify(
-                    ordered, [drafts[r.request_id] for r in ordered], cache, finish, result
-                )
-                return None
-            return self._decode_group(ordered, cache, finish, result, ahead, overlap)
-        for request in plan.decodes:
-            cache = self.caches[request.request_id]
-            if self._verifiable([request], drafts):
-                self._verify([request], [drafts[request.request_id]], cache, finish, result)
-            else:
-                self._decode_group([request], cache, finish, result)
-        return None
+        if not self.batchable:
+            for request in plan.decodes:
+                cache = self.caches[request.request_id]
+                if self.verify.applies([request], drafts, 1):
+                    self._verify([request], [drafts[request.request_id]], cache, finish, result)
+                else:
+                    self._decode_rows([request], cache, finish, result, DecodeMode.PLAIN)
+            return _DecodeTokens()
+        by_id = {r.request_id: r for r in plan.decodes}
+        ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
+        cache = self.batch.cache
+        if self.batch.ahead is None and self.verify.applies(ordered, drafts, len(ordered)):
+            self._verify(ordered, [drafts[r.request_id] for r in ordered], cache, finish, result)
+            return _DecodeTokens()
+        return self._decode_rows(ordered, cache, finish, result, self._decode_mode(plan))
 
-    def _decode_group(
+    def _verify(
+        self,
+        requests: list[Request],
+        drafts: list[list[int]],
+        cache: list[Any],
+        finish: FinishRule | None,
+        result: StepResult,
+    ) -> None:
+        try:
+            states = [self.samplers[r.request_id] for r in requests]
+            kept = self.verify.run(requests, drafts, cache, states)
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("verify step failed for %d request(s)", len(requests))
+            self._decode_failed(requests, e, result)
+            return
+        for request, tokens, row_drafts in zip(requests, kept, drafts, strict=True):
+            output = RequestOutput(request.request_id, sampled=tokens[0], accepted=tokens[1:])
+            output.drafted = len(row_drafts)
+            output.snapshot = self._finishing_snapshot(request, tokens, finish)
+            result.outputs.append(output)
+
+    def _decode_rows(
         self,
         requests: list[Request],
         cache: list[Any],
         finish: FinishRule | None,
         result: StepResult,
-        ahead: bool = False,
-        overlap: bool = False,
-    ) -> Callable[[], None] | None:
-        """One decode step over `cache`; with `ahead`, the next one starts before this
-        one's tokens are read, so building its graph overlaps this step's compute
-        (the way mlx-lm's and mlx-vlm's own loops decode). With `overlap`, the
-        forward is started and what reads its tokens is returned, to be called
-        once the step's other graphs are built."""
+        mode: DecodeMode,
+    ) -> _DecodeTokens:
+        """One decode step over `cache`. AHEAD starts the next step before this one's
+        tokens are read, so building its graph overlaps this step's compute (the
+        way mlx-lm's and mlx-vlm's own loops decode). OVERLAP starts the forward
+        and returns what reads its tokens, to be called once the step's other
+        graphs are built."""
         try:
+            started = time.perf_counter()
             request_ids = [r.request_id for r in requests]
             if self.batchable and len(requests) != len(self.batch.request_ids):
                 raise RuntimeError("decode batch out of step with the scheduler")
-            started = time.perf_counter()
             self._check(faults.FORWARD, request_ids)
-            pending = self.batch.take_ahead(request_ids) if self.batchable else None
-            if isinstance(pending, PendingLogits):
-                # Last step's tokens are read now (the masks and penalties know them).
-                pending = self._draw(pending.logits, requests)
-            if pending is None:
-                inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
-                logits = self.tap.last_logits(inputs, cache, decode_positions(requests))
-                if ahead or overlap:
-                    pending = self._draw(logits, requests)
-                    pending.start()
-            if pending is not None and overlap:
-                spent = time.perf_counter() - started
-                drawn = pending
-                return lambda: self._settle(requests, drawn, finish, result, spent)
-            if pending is None:
-                rows = self._sample(logits, requests)
+            drawing = self._draw_started_earlier(requests)
+            if drawing is None and mode is DecodeMode.PLAIN:
+                rows = self._sample(self._forward(requests, cache), requests)
             else:
-                if ahead:
-                    self.batch.ahead = self._step_ahead(pending, requests, cache)
-                rows = self._take(pending, requests)
+                if drawing is None:
+                    drawing = self._draw(self._forward(requests, cache), requests)
+                    drawing.start()
+                if mode is DecodeMode.OVERLAP:
+                    spent, drawn = time.perf_counter() - started, drawing
+                    return _DecodeTokens(
+                        lambda: self._settle(requests, drawn, finish, result, spent)
+                    )
+                if mode is DecodeMode.AHEAD:
+                    self.batch.ahead = self._step_ahead(drawing, requests, cache)
+                rows = self._take(drawing, requests)
                 self._draw_in_flight(requests)
             result.decode_s += time.perf_counter() - started
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
             self._decode_failed(requests, e, result)
-            return None
+            return _DecodeTokens()
         self._decoded(requests, rows, finish, result)
-        return None
+        return _DecodeTokens()
+
+    def _forward(self, requests: list[Request], cache: list[Any]) -> mx.array:
+        inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)
+        return self.tap.last_logits(inputs, cache, decode_positions(requests))
+
+    def _draw_started_earlier(self, requests: list[Request]) -> PendingSample | None:
+        """The draw of the step a previous step started ahead, if any (its logits are
+        drawn from now, where that step could not draw before these tokens were read:
+        the masks and penalties know them)."""
+        ahead = self.batch.take_ahead([r.request_id for r in requests]) if self.batchable else None
+        if isinstance(ahead, PendingLogits):
+            return self._draw(ahead.logits, requests)
+        return ahead
 
     def _settle(
         self,
@@ -592,6 +580,17 @@ class Runner(VerifySteps):
         for request, row in zip(requests, rows, strict=True):
             record_token(self.samplers[request.request_id], request.params, row.token)
         return rows
+
+    def _finishing_snapshot(
+        self, request: Request, tokens: list[SampledRow], finish: FinishRule | None
+    ) -> Snapshot | None:
+        if finish is None or not self.completion_snapshots:
+            return None
+        return self.snapshots.of_ending_row(self.batch, request, tokens, finish)
+
+    def _check(self, phase: str, request_ids: list[str]) -> None:
+        if self.fault is not None:
+            self.fault(phase, request_ids)
 
     def _sample(
         self, logits: mx.array, requests: list[Request], check: bool = True

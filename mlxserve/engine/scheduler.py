@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
-from mlxserve.engine.drafting import Speculator
+from mlxserve.engine.budget import KVBudget
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.memory import KVBudget
-from mlxserve.engine.pacing import FRESH_PROMPT_FACTOR, MIN_CHUNK_TOKENS, Pacer
+from mlxserve.engine.pacing import MIN_CHUNK_TOKENS, Pacer
 from mlxserve.engine.plan import (
     FinishRule,
     PrefillChunk,
@@ -28,9 +27,11 @@ from mlxserve.engine.plan import (
     StepPlan,
     StepResult,
 )
+from mlxserve.engine.prefill_plan import PrefillSizer
 from mlxserve.engine.request import Request, RequestStatus, TokenEvent
 from mlxserve.engine.restores import Restorer
 from mlxserve.engine.sampling import SampledRow
+from mlxserve.engine.spec.drafting import Speculator
 
 if TYPE_CHECKING:
     from mlxserve.cache.prefix_cache import PrefixCache
@@ -38,8 +39,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RECENT_STATUS_LIMIT = 4096
-# Before a forward's cost is measured, it is taken to cost this many prefill tokens.
-UNMEASURED_FORWARD_TOKENS = 16
 # A shared prefix shorter than this is not worth a snapshot of its own.
 MIN_BRANCH_TOKENS = 32
 
@@ -77,12 +76,6 @@ class Scheduler:
         speculator: Speculator | None = None,
     ) -> None:
         self.config = config
-        # Paced chunks are never cut shorter, so a long prompt always progresses
-        # (and, where the model says short chunks cost more, never at a loss).
-        self.min_chunk_tokens = max(MIN_CHUNK_TOKENS, min_chunk_tokens)
-        # The shortest chunk this model can be fed at all (a hit's suffix ends in one).
-        self.model_min_chunk = max(1, min_chunk_tokens)
-        self.num_layers = max(1, num_layers)
         self._fault = fault
         self.eos_ids = eos_ids
         self.prefix_cache = prefix_cache
@@ -103,6 +96,7 @@ class Scheduler:
         # Drafts for the decode rows (speculative decoding; None when off).
         self.speculator = speculator
         self.pacer = Pacer(config.max_step_ms)
+        self.sizer = PrefillSizer(self.pacer, min_chunk_tokens, num_layers)
         disk = prefix_cache.disk if prefix_cache is not None else None
         # Requests whose cached prefix is being read back from the disk tier.
         self.restorer = (
@@ -200,98 +194,21 @@ class Scheduler:
         """
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)
-        # One token per decode row comes out of the budget; a prefill always progresses.
-        budget = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
-        others = bool(plan.decodes) or len(prefilling) > 1 or bool(self.waiting)
-        pacer = self.pacer
-        left = pacer.prefill_budget_s(len(plan.decodes), alone=not others)
-        whole = sum(r.prefill_remaining for r in prefilling)
-        if not plan.decodes and whole <= budget and left is not None:
-            # Nobody decoding and every prompt fits: feed them all now when that
-            # ends on time (fresh prompts get a little longer), or when they are
-            # fresh prompts that arrived together (one grouped forward). The tail
-            # of a long prompt stays paced: a request arriving now would wait for it.
-            fresh = all(r.num_computed == 0 for r in prefilling)
-            together = len(prefilling) > 1 and fresh
-            on_time = left * FRESH_PROMPT_FACTOR if fresh else left
-            if together or pacer.cost_s(whole) <= on_time:
-                left = None
-        if not others and prefilling:
-            chunk = self._hit_suffix_chunk(prefilling[0], budget, left)
-            if chunk is not None:
-                plan.prefills.append(chunk)
+        alone = not plan.decodes and len(prefilling) <= 1 and not self.waiting
+        tokens = max(1, self.config.max_num_batched_tokens - len(plan.decodes))
+        allowance = self.sizer.allowance(tokens, len(plan.decodes), prefilling, alone)
+        if alone and prefilling:
+            suffix = self.sizer.hit_suffix_tokens(prefilling[0], allowance)
+            if suffix is not None:
+                plan.prefills.append(self._next_chunk(prefilling[0], suffix))
                 return
         for request in prefilling:
-            if plan.prefills and plan.prefills[-1].is_last and left is not None:
-                # A prompt that ends in this step sends its first token only when the
-                # step ends: a chunk that does not also end a prompt waits a step.
-                remaining = request.prefill_remaining
-                if remaining > budget or pacer.cost_s(remaining) > left:
-                    break
-            allowed = budget
-            if left is not None:
-                shortest = self.min_chunk_tokens
-                fits = pacer.tokens_within(left)
-                if plan.prefills and fits < min(shortest, request.prefill_remaining):
-                    break
-                allowed = max(fits, shortest)
-                if 0 < request.prefill_remaining - allowed < shortest:
-                    allowed = request.prefill_remaining  # leave no stub: it costs a forward
-                allowed = min(budget, allowed)
-            if allowed <= 0:
+            tokens = self.sizer.chunk_tokens(request, allowance, plan.prefills)
+            if tokens <= 0:
                 break
-            chunk = self._next_chunk(request, allowed)
+            chunk = self._next_chunk(request, tokens)
             plan.prefills.append(chunk)
-            budget -= chunk.num_tokens
-            if left is not None:
-                left -= pacer.cost_s(chunk.num_tokens)
-
-    def _hit_suffix_chunk(
-        self, request: Request, budget: int, left: float | None
-    ) -> PrefillChunk | None:
-        """A prefix-cache hit's suffix, prefilling alone, that pacing would cut into
-        several chunks: all of it but its last few tokens in one chunk (None otherwise).
-
-        The suffix is this request's whole prefill (a turn's new messages), so each
-        paced chunk's fixed cost lands on its own first token, and with nobody
-        running there is no stream to pace for; the token budget still bounds the
-        step a newcomer may wait for. A long prompt's tail stays paced. Where it
-        pays (`_tail_pays`: a shallow model) the prompt then ends in a chunk of the
-        model's shortest length, as mlx-lm's own prefill does: a chunk that ends the
-        prompt runs the last layer over all its positions, one that does not is
-        evaluated only as far as the cache (`Runner._feed_only`). Never more
-        forwards than pacing.
-        """
-        hit = request.cached_tokens
-        if hit == 0 or request.num_computed != hit or request.fill_ids is not None:
-            return None  # not a hit, or its first chunk has been fed
-        remaining = request.prefill_remaining
-        tail = self.model_min_chunk if self._tail_pays(remaining) else 0
-        shortest = self.min_chunk_tokens
-        if remaining > budget or remaining - tail < shortest:
-            return None
-        if left is None:
-            if tail == 0:
-                return None  # unpaced, it goes in one chunk anyway
-        elif max(self.pacer.tokens_within(left), shortest) > remaining - shortest:
-            return None  # pacing feeds it in one chunk already
-        return self._next_chunk(request, remaining - tail)
-
-    def _tail_pays(self, suffix: int) -> bool:
-        """Whether ending a hit's suffix in a short chunk of its own saves time.
-
-        The chunk that ends a prompt runs its last layer over every position
-        (the others stop at the cache), about 1/L of its work on an L-layer
-        model; a separate short chunk costs one more forward, about a decode
-        step. On a deep model (a real checkpoint on Metal) one chunk is cheaper;
-        on a shallow one the split is. Unmeasured (a fresh engine), a forward is
-        taken to cost as much as `UNMEASURED_FORWARD_TOKENS` prefill tokens.
-        """
-        step = self.pacer.decode_step_s(1)
-        rate = self.pacer.prefill_rate_s()
-        if step is None or rate is None:
-            return suffix > self.num_layers * UNMEASURED_FORWARD_TOKENS
-        return suffix * rate / self.num_layers > step
+            self.sizer.spend(allowance, chunk.num_tokens)
 
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed

@@ -16,7 +16,9 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxserve.engine import faults
 from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.engine.faults import FaultHook
-from mlxserve.engine.plan import Snapshot
+from mlxserve.engine.plan import FinishRule, Snapshot
+from mlxserve.engine.request import Request
+from mlxserve.engine.sampling import SampledRow
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,38 @@ class SnapshotTaker:
             logger.exception("snapshot of finished request %s failed", request_id)
             mx.clear_cache()
             return None
+
+    def of_completed(
+        self,
+        completed: list[tuple[str, list[int]]],
+        batch: DecodeBatch,
+        caches: dict[str, list[Any]],
+    ) -> list[tuple[str, Snapshot]]:
+        """`prompt + output` snapshots of finished requests (for trimmable, batched KV
+        caches only: a later prompt that re-renders the reply differently could not
+        reuse an entry it cannot trim)."""
+        taken = []
+        for request_id, key_ids in completed:
+            if request_id in batch.request_ids:
+                snapshot = self.of_row(batch, request_id, key_ids)
+            elif request_id in caches:  # it had not joined the batch yet
+                snapshot = self.of_cache(request_id, key_ids, caches[request_id])
+            else:
+                continue
+            if snapshot is not None:
+                taken.append((request_id, snapshot))
+        return taken
+
+    def of_ending_row(
+        self, batch: DecodeBatch, request: Request, tokens: list[SampledRow], finish: FinishRule
+    ) -> Snapshot | None:
+        """The `prompt + output` snapshot of a decode row that one of `tokens` ends."""
+        for earlier, row in enumerate(tokens):
+            if finish.status(request, row.token, earlier) is not None:
+                # The cache holds prompt + output; the ending token is never fed.
+                key = request.prompt_ids + request.output_ids + [t.token for t in tokens[:earlier]]
+                return self.of_row(batch, request.request_id, key)
+        return None
 
     def _copy(self, key_ids: list[int], cache: list[Any], request_id: str) -> Snapshot | None:
         from mlxserve.cache.snapshot import UnsupportedCacheError, copy_cache

@@ -35,11 +35,11 @@ class ModelAdapter:
         self.model_type = model_type
         self._is_vlm_v4 = model_type == "deepseek_v4"
         if self._is_vlm_v4:
-            from mlxserve.models import dsv4_overlap
+            from mlxserve.models.deepseek_v4 import overlap as dsv4_overlap
 
             dsv4_overlap.install(module)
         elif model_type == "deepseek_v41":
-            from mlxserve.models import dsv41_batch
+            from mlxserve.models.deepseek_v4 import v41_batch as dsv41_batch
 
             dsv41_batch.install(module)
         cpu_head.install(module)
@@ -94,7 +94,7 @@ class ModelAdapter:
 
     def make_cache(self) -> list[Any]:
         if self._is_vlm_v4:
-            from mlxserve.models import dsv4_overlap
+            from mlxserve.models.deepseek_v4 import overlap as dsv4_overlap
 
             return dsv4_overlap.make_cache(self.module)
         if hasattr(self.module, "make_cache"):

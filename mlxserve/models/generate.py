@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.demo:
-            from mlxserve.models.demo import demo_model_path
+            from mlxserve.models.tiny.demo import demo_model_path
 
             path = demo_model_path(args.demo)
         else:

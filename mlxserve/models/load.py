@@ -12,7 +12,7 @@ from mlxserve.models.adapter import ModelAdapter
 from mlxserve.models.loaded import LoadedModel, ModelLoadError
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.prompt_format import check_renderable, choose_encoder
-from mlxserve.models.scripted import is_scripted, load_checkpoint
+from mlxserve.models.tiny.scripted import is_scripted, load_checkpoint
 
 logger = logging.getLogger(__name__)
 

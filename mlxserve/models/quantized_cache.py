@@ -157,7 +157,7 @@ def check_model_quantizable(path: Path, config: dict[str, Any], spec: KVQuant | 
             f"--kv-cache-bits: the caches of {name} cannot be quantized: "
             f"{_REFUSED_TYPES[model_type]}"
         )
-    from mlxserve.models.scripted import is_scripted
+    from mlxserve.models.tiny.scripted import is_scripted
 
     if is_scripted(config):
         return  # no mlx-lm module: its caches are checked when it loads

@@ -29,8 +29,8 @@ from mlx_vlm.models.cache import (
     RotatingKVCache,
 )
 
-from mlxserve.models.dsv4_overlap import CarryingPoolingCache
-from mlxserve.models.dsv41_cache import BatchLayerCache
+from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
+from mlxserve.models.deepseek_v4.v41_cache import BatchLayerCache
 
 
 class BatchCarryingPoolingCache(BatchPoolingCache):

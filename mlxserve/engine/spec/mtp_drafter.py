@@ -30,8 +30,8 @@ import mlx.core as mx
 from mlx_vlm.speculative.cache_state import start_speculative_cache
 
 from mlxserve.engine.request import Request
+from mlxserve.models.deepseek_v4.mtp import MtpHead
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.mtp import MtpHead
 
 logger = logging.getLogger(__name__)
 

@@ -286,7 +286,7 @@ def make_model(
 
 def run(args: argparse.Namespace) -> int:
     if args.family == "scripted":
-        from mlxserve.models.scripted import write_checkpoint
+        from mlxserve.models.tiny.scripted import write_checkpoint
 
         if not args.script:
             print("mlxserve make-model: --family scripted needs --script TEXT", file=sys.stderr)

@@ -134,7 +134,7 @@ def _sha256(path: Path) -> str:
 
 def random_demo_path() -> Path:
     """Path of the cached random-weight DeepSeek-V4 checkpoint, writing it on first use."""
-    from mlxserve.models.synthetic import build_config, make_model
+    from mlxserve.models.tiny.synthetic import build_config, make_model
 
     root = cache_root()
     # The config's hash in the name: a cached copy of an older config is not reused.

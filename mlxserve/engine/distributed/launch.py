@@ -15,9 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxserve.config import EngineConfig
-from mlxserve.engine.distributed import Follower, PeerLost, PlanDesync, PlanGroup, shared_budget
-from mlxserve.engine.memory import default_kv_budget, weights_nbytes
-from mlxserve.engine.plan_codec import PlanDecodeError
+from mlxserve.engine.budget import default_kv_budget, weights_nbytes
+from mlxserve.engine.distributed.codec import PlanDecodeError
+from mlxserve.engine.distributed.follower import Follower, PlanDesync
+from mlxserve.engine.distributed.group import PeerLost, PlanGroup, shared_budget
 from mlxserve.models.loaded import ModelLoadError
 from mlxserve.models.shard import Sharding
 

@@ -25,7 +25,7 @@ from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_vlm.models.cache import PoolingCache, RotatingKVCache
 from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
 
-from mlxserve.models.dsv41_cache import BatchLayerCache
+from mlxserve.models.deepseek_v4.v41_cache import BatchLayerCache
 from mlxserve.models.quantized_batch import BatchQuantizedKVCache
 
 # Plain KV caches (full precision or quantized), alone or batched: trimmed.

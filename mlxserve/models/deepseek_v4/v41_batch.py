@@ -36,8 +36,13 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxserve.models.dsv41_cache import BatchLayerCache
-from mlxserve.models.dsv41_math import fake_quant_fp4, fake_quant_fp8, rotate, sparse_attention
+from mlxserve.models.deepseek_v4.v41_cache import BatchLayerCache
+from mlxserve.models.deepseek_v4.v41_math import (
+    fake_quant_fp4,
+    fake_quant_fp8,
+    rotate,
+    sparse_attention,
+)
 
 Shared = dict[str, Any]
 

@@ -1,0 +1,94 @@
+"""The ranks `mlx.launch` started, and the collectives that carry a step's plan between them."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import mlx.core as mx
+
+from mlxserve.engine.sampling import int_list
+
+# Ints the first collective of a step carries: a decode-only plan fits, so a
+# step costs one collective; a longer plan sends the rest in a second one.
+HEAD_INTS = 256
+
+
+class PeerLost(RuntimeError):
+    """A collective failed: another rank is gone. The engine cannot go on."""
+
+
+class PlanGroup:
+    """The ranks, and the plan's broadcast over them (an `all_sum` where only rank 0 adds)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank = int(group.rank())
+        self.size = int(group.size())
+
+    def _sum(self, values: list[int]) -> list[int]:
+        try:
+            total = mx.distributed.all_sum(
+                mx.array(values, dtype=mx.int32), group=self.group, stream=mx.cpu
+            )
+            mx.eval(total)
+        except RuntimeError as e:  # the ring backend's "connection to a peer was lost"
+            raise PeerLost(f"rank {self.rank}: a collective failed: {e}") from e
+        return int_list(total)
+
+    def broadcast(self, values: list[int] | None) -> list[int]:
+        """Rank 0's `values` on every rank (others pass None)."""
+        head = [0] * HEAD_INTS
+        if values is not None:
+            head[0] = len(values)
+            first = values[: HEAD_INTS - 1]
+            head[1 : 1 + len(first)] = first
+        got = self._sum(head)
+        total = got[0]
+        body = got[1 : 1 + min(total, HEAD_INTS - 1)]
+        rest = total - len(body)
+        if rest > 0:
+            tail = values[HEAD_INTS - 1 :] if values is not None else [0] * rest
+            body += self._sum(tail)
+        return body
+
+    def barrier(self) -> None:
+        self._sum([1])
+
+    def minimum(self, value: int) -> int:
+        """The smallest of each rank's `value` (int32 range), e.g. a memory budget in KiB."""
+        try:
+            every = mx.distributed.all_gather(
+                mx.array([value], dtype=mx.int32), group=self.group, stream=mx.cpu
+            )
+            mx.eval(every)
+        except RuntimeError as e:
+            raise PeerLost(f"rank {self.rank}: a collective failed: {e}") from e
+        return min(int_list(every))
+
+
+def key_check(key: bytes) -> int:
+    """A checksum that names a snapshot's key on the wire (with its length)."""
+    return zlib.crc32(key) & 0x7FFFFFFF
+
+
+def shared_budget(group: PlanGroup, budget_bytes: int, bytes_per_token: float) -> int:
+    """Rank 0's KV byte budget for as many tokens as the tightest rank can hold.
+
+    Every rank holds its shard of every cache, so the rank with the least room
+    (in tokens of its own cache cost) bounds what rank 0 may admit."""
+    per_token = max(bytes_per_token, 1.0)
+    tokens = min(int(budget_bytes / per_token), 2**31 - 1)
+    fewest = group.minimum(tokens)
+    return min(budget_bytes, int(fewest * per_token))
+
+
+def join_group() -> PlanGroup:
+    """This process's place among the ranks `mlx.launch` started (RuntimeError if alone)."""
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise RuntimeError(
+            "--distributed needs several ranks: start it with mlx.launch "
+            "(e.g. mlx.launch --hostfile hosts.json -- mlxserve serve MODEL --distributed pipeline)"
+        )
+    return PlanGroup(group)
