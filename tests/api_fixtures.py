@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from server_health import wait_healthy
 
 from mlxserve.api.serve import build_app
 from mlxserve.cli import build_parser
@@ -132,21 +133,13 @@ class ServeProcess:
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=self.env
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlxserve serve exited: {self.proc.stderr.read()}")
-            if self._healthy():
-                return self
-            time.sleep(0.2)
-        self.__exit__()
-        raise TimeoutError("mlxserve serve did not become ready")
-
-    def _healthy(self) -> bool:
+        stderr = self.proc.stderr
         try:
-            return httpx.get(self.url + "/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
+            wait_healthy(self.url, self.proc, describe_exit=lambda: stderr.read() if stderr else "")
+        except TimeoutError:
+            self.__exit__()
+            raise
+        return self
 
     def __exit__(self, *exc: object) -> None:
         import subprocess

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 from api_fixtures import free_port
+from server_health import health_status, wait_healthy
 
 from mlxserve.bench.distributed import loopback_launch
 
@@ -80,15 +80,12 @@ class LaunchedServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"mlx.launch exited: {self.log.read_text()[-3000:]}")
-            if health(self.url) == 200:
-                return self
-            time.sleep(0.25)
-        self.__exit__()
-        raise TimeoutError(f"the distributed server did not become ready: {self.log.read_text()}")
+        try:
+            wait_healthy(self.url, self.proc, describe_exit=lambda: self.log.read_text()[-3000:])
+        except TimeoutError:
+            self.__exit__()
+            raise
+        return self
 
     def rank_pids(self) -> dict[int, int]:
         """The ranks' process ids (found by their environment and our port)."""
@@ -119,13 +116,6 @@ class LaunchedServer:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
         self._log_file.close()
-
-
-def health(url: str) -> int | None:
-    try:
-        return httpx.get(url + "/health", timeout=5).status_code
-    except httpx.TransportError:
-        return None
 
 
 # About 320 tokens: six chunks of a 64-token step beside three decoding rows.
@@ -327,7 +317,7 @@ def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None =
         os.kill(pids[1], signal.SIGKILL)
     assert outcomes == ["failed", "failed"]
     # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
-    assert health(server.url) in (503, None)
+    assert health_status(server.url) in (503, None)
     assert server.proc is not None
     server.proc.wait(timeout=EXIT_WITHIN_S)
     assert all(_gone(pid) for pid in pids.values()), pids

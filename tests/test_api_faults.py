@@ -19,6 +19,7 @@ from api_fixtures import (
     serve_in_thread,
 )
 from engine_helpers import KillSwitch, ModelWrapper, SlowModel, idle, wait_until, wrapped_loader
+from server_health import health_status
 
 from mlxserve.models.tiny.scripted import scripted_model
 
@@ -67,20 +68,13 @@ def test_exit_on_engine_failure_ends_the_server_non_zero(model_dir_factory) -> N
     state, thread, result = serve_in_thread(args, loader)
     url = f"http://{args.host}:{args.port}"
     assert state.engine.ready
-    assert wait_until(lambda: _health(url) == 200, timeout=30)
+    assert wait_until(lambda: health_status(url) == 200, timeout=30)
     holder["model"].armed.set()
     with httpx.Client(base_url=url, timeout=30) as http:
         response = http.post("/v1/chat/completions", json=chat_body())
     assert_error_shape(response, 500)
     thread.join(timeout=15)
     assert result == [1]
-
-
-def _health(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.HTTPError:
-        return 0
 
 
 def test_keepalive_comments_flow_while_a_prompt_prefills(model_dir_factory) -> None:

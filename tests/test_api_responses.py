@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from api_fixtures import (
     post,
     scripted_server,
 )
+from server_health import wait_healthy
 
 from mlxserve.models.tiny.scripted import write_checkpoint
 
@@ -97,17 +97,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     proc = subprocess.Popen(command, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else "server exited"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise TimeoutError("mlxserve serve did not become ready")
+        stderr = proc.stderr
+        wait_healthy(url, proc, describe_exit=lambda: stderr.read() if stderr else "")
         yield url + "/v1"
     finally:
         proc.terminate()

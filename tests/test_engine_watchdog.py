@@ -14,6 +14,7 @@ import httpx
 import pytest
 from api_fixtures import ServerThread, chat_body, metric, serve_args, serve_in_thread
 from engine_helpers import Wedge, collect, wait_until, wrapped_loader
+from server_health import health_status
 
 from mlxserve.config import EngineConfig
 from mlxserve.engine.async_engine import AsyncEngine
@@ -136,7 +137,7 @@ def test_a_stalled_server_process_exits_non_zero(model_dir_factory) -> None:
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _status(url) == 200, timeout=120)
+        assert wait_until(lambda: health_status(url) == 200, timeout=120)
         body = {"model": "m", "prompt": [5, 6, 7], "max_tokens": 4}
         response = httpx.post(url + "/v1/completions", json=body, timeout=60)
         assert response.status_code >= 500
@@ -146,10 +147,3 @@ def test_a_stalled_server_process_exits_non_zero(model_dir_factory) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-
-
-def _status(url: str) -> int:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code
-    except httpx.TransportError:
-        return 0

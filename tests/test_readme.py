@@ -14,13 +14,13 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from api_fixtures import free_port
+from server_health import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -64,19 +64,6 @@ def make_serve_argv(port: int) -> list[str]:
     return [sys.executable, "-m", "mlxserve.cli", *argv[1:]]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 def _started(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("wb") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -111,7 +98,7 @@ def make_serve(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) ->
     log = tmp_path_factory.mktemp("logs") / "serve.log"
     proc = _started(make_serve_argv(port), env, log)
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, timeout=180)
         yield port
     finally:
         _stop(proc)
@@ -152,7 +139,7 @@ def test_readme_checkpoint_walkthrough(env: dict[str, str], tmp_path: Path) -> N
     proc = _started(serve, env, tmp_path / "serve.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=180)
         models = httpx.get(f"{url}/v1/models", timeout=10).json()["data"]
         assert models[0]["id"] == "llama" and models[0]["max_model_len"] > 0
     finally:

@@ -215,58 +215,79 @@ class PrefixCache:
         `copy_cache(live_cache, wait=False)` taken when the cache covered exactly `key_ids`;
         it is stored as is, not copied. `nbytes` defaults to `cache_nbytes`.
         An entry larger than `max_bytes` (or an empty key) is not stored and
-        leaves the cache unchanged.
+        leaves the cache unchanged; with a disk tier it goes to disk, as if
+        evicted at once.
         """
+        size, trimmable = self._measure(key_ids, snapshot, nbytes)
+        key = pack(key_ids)
+        entry: _Entry | None = None
+        writes: list[_Write] = []
+        with self._lock:
+            if key and size <= self.max_bytes and self.max_entries > 0:
+                node, entry = self._store(key, snapshot, size, trimmable)
+            else:
+                self._rejected += 1
+            # Shorter entries of this key that RAM holds (before evicting for room):
+            # they stay on disk when this one is written.
+            ram_prefixes = self._held_prefixes(key)
+            if entry is not None:
+                writes = self._evict_to_fit()
+            stored_now = entry is not None and node.entry is entry  # not evicted at once
+        if self.disk is None:
+            return entry is not None
+        if entry is None:
+            if key:
+                self._write([(list(key_ids), snapshot, ram_prefixes)])
+            return False
+        if stored_now:
+            self._write_behind(list(key_ids), entry, ram_prefixes)
+        self._write(writes)
+        return True
+
+    def _measure(
+        self, key_ids: Sequence[int], snapshot: list[Any], nbytes: int | None
+    ) -> tuple[int, bool]:
+        """A snapshot's bytes and whether it can be trimmed (checked against its key)."""
         if self._offset is not None:
             held = self._offset(snapshot)
             if held is not None and held != len(key_ids):
                 raise ValueError(f"snapshot holds {held} tokens but its key has {len(key_ids)}")
         size = cache_nbytes(snapshot) if nbytes is None else nbytes
+        if size < 0:
+            raise ValueError("nbytes must be >= 0")
         try:
             trimmable = self._trimmable(snapshot)
         except UnsupportedCacheError:  # opaque snapshots (tests) are never trimmed
             trimmable = False
-        if size < 0:
-            raise ValueError("nbytes must be >= 0")
-        key = pack(key_ids)
-        with self._lock:
-            fits = bool(key) and size <= self.max_bytes and self.max_entries > 0
-            if not fits:
-                self._rejected += 1
-                kept = self._held_prefixes(key)
-        if not fits:
-            if key and self.disk is not None:
-                # No room in RAM (memory pressure): as if evicted at once, it goes to disk.
-                self._write([(list(key_ids), snapshot, kept)])
-            return False
-        with self._lock:
-            node, prefixes = self._trie.node_for(key)
-            if node.entry is not None:  # identical key: replace in place
-                replaced = self._lru.pop(node)
-                self._bytes -= replaced.nbytes
-                self._superseded += 1
-                if self.observer is not None:
-                    self.observer.dropped(replaced.entry_id)
-            for old in prefixes:  # removing an ancestor never detaches `node`
-                if len(old.children) > 1:
-                    continue  # a branch point other keys still extend: keep it
-                self._drop(old)
-                self._superseded += 1
-            self._next_id += 1
-            entry = _Entry(snapshot, size, len(key_ids), trimmable, entry_id=self._next_id)
-            node.entry = entry
+        return size, trimmable
+
+    def _store(
+        self, key: bytes, snapshot: list[Any], size: int, trimmable: bool
+    ) -> tuple[Node, _Entry]:
+        """Put a new entry at `key` (under the lock): it replaces an entry with the
+        same key and supersedes those on its strict prefixes, except branch points
+        that other keys still extend."""
+        node, prefixes = self._trie.node_for(key)
+        if node.entry is not None:
+            replaced = self._lru.pop(node)
+            self._bytes -= replaced.nbytes
+            self._superseded += 1
             if self.observer is not None:
-                self.observer.stored(entry.entry_id, key)
-            self._lru[node] = entry
-            self._bytes += size
-            self._inserts += 1
-            kept = [old.entry.key_len for old in prefixes if old.entry is not None]
-            writes = self._evict_to_fit()
-        if self.disk is not None:
-            if node.entry is entry:
-                self._write_behind(list(key_ids), entry, kept)
-            self._write(writes)
-        return True
+                self.observer.dropped(replaced.entry_id)
+        for old in prefixes:  # removing an ancestor never detaches `node`
+            if len(old.children) > 1:
+                continue
+            self._drop(old)
+            self._superseded += 1
+        self._next_id += 1
+        entry = _Entry(snapshot, size, len(key) // TOKEN_BYTES, trimmable, entry_id=self._next_id)
+        node.entry = entry
+        if self.observer is not None:
+            self.observer.stored(entry.entry_id, key)
+        self._lru[node] = entry
+        self._bytes += size
+        self._inserts += 1
+        return node, entry
 
     def _write_behind(self, key_ids: list[int], entry: _Entry, kept: list[int]) -> None:
         """Write a new entry to disk when it is new there or has grown by `disk_every`

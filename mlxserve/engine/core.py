@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlxserve.cache.arrays import cache_nbytes
 from mlxserve.config import EngineConfig
 from mlxserve.engine import faults
-from mlxserve.engine.budget import KVBudget, KVPool, default_kv_budget, weights_nbytes
+from mlxserve.engine.budget import CacheCost, KVBudget, KVPool, default_kv_budget, weights_nbytes
 from mlxserve.engine.constraint import ConstraintError
 from mlxserve.engine.distributed.group import PeerLost
 from mlxserve.engine.faults import FaultHook
@@ -323,13 +323,32 @@ class EngineCore:
             logger.exception("closing the prefix cache's disk tier failed")
 
     def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget:
-        """The KV byte budget and this model's measured cache cost.
+        """The KV byte budget and this model's measured cache cost: a share of the
+        pool several models' engines hold together, or this engine's own budget."""
+        cost = self._probe_cost(runner)
+        self.weight_bytes = weights_nbytes(getattr(model.model, "module", model.model))
+        if runner.tap.drafter is not None:  # the MTP head's own weights
+            self.weight_bytes += weights_nbytes(runner.tap.drafter.head.drafter)
+        if self._pool is None:
+            return KVBudget(self._own_budget(cost), cost, runner.batchable)
+        pool = self._pool
+        pool.join(self._member, self.weight_bytes, lambda: self._inbox.put(_Wake()))
+        logger.info(
+            "model %r shares a KV memory budget of %d bytes; its cache costs "
+            "%d + %.0f bytes per token",
+            self._member,
+            pool.total_bytes,
+            cost.fixed_bytes,
+            cost.bytes_per_token,
+        )
+        return KVBudget(pool.total_bytes, cost, runner.batchable, pool, self._member)
 
-        A model the probe cannot drive is refused: serving it without a byte
-        budget would let memory run out instead of answering (rule 9 of docs/architecture.md).
-        """
+    @staticmethod
+    def _probe_cost(runner: Runner) -> CacheCost:
+        """A model the probe cannot drive is refused: serving it without a byte budget
+        would let memory run out instead of answering (rule 9 of docs/architecture.md)."""
         try:
-            cost = runner.probe_cost()
+            return runner.probe_cost()
         except Exception as e:  # reported as the load error (/health, the log)
             raise ModelLoadError(
                 f"could not measure this model's KV cache size, so it cannot be served "
@@ -337,27 +356,17 @@ class EngineCore:
             ) from e
         finally:
             mx.clear_cache()
-        weights = weights_nbytes(getattr(model.model, "module", model.model))
-        if runner.tap.drafter is not None:  # the MTP head's own weights
-            weights += weights_nbytes(runner.tap.drafter.head.drafter)
-        self.weight_bytes = weights
-        pool = self._pool
-        if pool is not None:
-            pool.join(self._member, weights, lambda: self._inbox.put(_Wake()))
-            logger.info(
-                "model %r shares a KV memory budget of %d bytes; its cache costs "
-                "%d + %.0f bytes per token",
-                self._member,
-                pool.total_bytes,
-                cost.fixed_bytes,
-                cost.bytes_per_token,
-            )
-            return KVBudget(pool.total_bytes, cost, runner.batchable, pool, self._member)
+
+    def _own_budget(self, cost: CacheCost) -> int:
+        """--kv-memory-bytes, else the device's memory less the weights and a margin;
+        under `--distributed`, no more than the tightest rank can hold."""
         budget = self.config.kv_memory_bytes
         source = "--kv-memory-bytes"
         if budget is None:
-            budget = default_kv_budget(weights)
-            source = f"device memory minus {weights / 2**30:.2f} GiB of weights and a margin"
+            budget = default_kv_budget(self.weight_bytes)
+            source = (
+                f"device memory minus {self.weight_bytes / 2**30:.2f} GiB of weights and a margin"
+            )
         if self.publisher is not None:
             from mlxserve.engine.distributed.group import shared_budget
 
@@ -372,7 +381,7 @@ class EngineCore:
             cost.fixed_bytes,
             cost.bytes_per_token,
         )
-        return KVBudget(budget, cost, runner.batchable)
+        return budget
 
     def _loop(self) -> None:
         scheduler, runner = self.scheduler, self.runner
