@@ -35,8 +35,11 @@ lint: $(VENV)/.installed-dev
 browser:
 	bash scripts/install-browser.sh
 
+# Two phases: everything else on two workers, then the mlx.launch tests alone (each of
+# their ranks is pinned to a core of its own; beside another worker they would share it).
 test: lint browser
-	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 2 --dist loadfile
+	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 2 --dist loadfile -m "not distributed"
+	$(BIN)/pytest -m distributed
 
 # docs/dashboard.png, the README's picture of the operator page, from a live server under load.
 screenshot: $(VENV)/.installed-dev browser

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -286,15 +287,8 @@ def _gone(pid: int) -> bool:
     return "State:\tZ" in status
 
 
-def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None = None) -> None:
-    """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
-    and every rank exits within `EXIT_WITHIN_S`.
-
-    With `stall_after_s` (the server's --step-timeout), rank 1 is stopped (SIGSTOP)
-    instead: a rank that stops answering. Rank 0's step watchdog declares the engine
-    dead after that long; then rank 1 is killed, as a supervisor would."""
-    pids = server.rank_pids()
-    assert set(pids) == {0, 1}, pids
+def _open_two_streams(server: LaunchedServer) -> tuple[list[threading.Thread], list[str]]:
+    """Two long streams, each past its first token; `outcomes` fills as they end."""
     events = [threading.Event(), threading.Event()]
     outcomes: list[str] = []
     threads = [
@@ -305,6 +299,46 @@ def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None =
         thread.start()
     for event in events:
         assert event.wait(60), "no stream started"
+    return threads, outcomes
+
+
+def kill_rank_and_watch_exit(server: LaunchedServer, victim: int) -> None:
+    """Kill rank `victim` while two streams are open: every rank and mlx.launch
+    are gone within `EXIT_WITHIN_S` of the kill (a deadline, checked by polling
+    the processes), and both streams failed."""
+    pids = server.rank_pids()
+    assert set(pids) == {0, 1}, pids
+    threads, outcomes = _open_two_streams(server)
+    killed_at = time.monotonic()
+    os.kill(pids[victim], signal.SIGKILL)
+    deadline = killed_at + EXIT_WITHIN_S
+    assert server.proc is not None
+    while time.monotonic() < deadline:
+        if server.proc.poll() is not None and all(_gone(pid) for pid in pids.values()):
+            break
+        time.sleep(0.05)
+    alive = {rank: pid for rank, pid in pids.items() if not _gone(pid)}
+    launcher_alive = server.proc.poll() is None
+    log = server.log.read_text(errors="replace")[-3000:]
+    assert not alive and not launcher_alive, (
+        f"{EXIT_WITHIN_S} s after rank {victim} died: ranks alive {alive}, "
+        f"mlx.launch alive: {launcher_alive}\n{log}"
+    )
+    for thread in threads:
+        thread.join(EXIT_WITHIN_S)
+    assert outcomes == ["failed", "failed"]
+
+
+def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None = None) -> None:
+    """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
+    and every rank exits within `EXIT_WITHIN_S`.
+
+    With `stall_after_s` (the server's --step-timeout), rank 1 is stopped (SIGSTOP)
+    instead: a rank that stops answering. Rank 0's step watchdog declares the engine
+    dead after that long; then rank 1 is killed, as a supervisor would."""
+    pids = server.rank_pids()
+    assert set(pids) == {0, 1}, pids
+    threads, outcomes = _open_two_streams(server)
     if stall_after_s is None:
         os.kill(pids[1], signal.SIGKILL)
         for thread in threads:

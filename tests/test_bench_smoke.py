@@ -139,6 +139,7 @@ def test_bench_soak_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
         assert figures[key] > 0
 
 
+@pytest.mark.distributed
 def test_bench_distributed_reports_its_keys(tmp_path: Path, capsys) -> None:
     from dist_helpers import launch_available
 

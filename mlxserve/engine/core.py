@@ -345,10 +345,11 @@ class EngineCore:
 
     @staticmethod
     def _probe_cost(runner: Runner) -> CacheCost:
-        """A model the probe cannot drive is refused: serving it without a byte budget
+        """Measured once per checkpoint and setting in this process (`measured_once`).
+        A model the probe cannot drive is refused: serving it without a byte budget
         would let memory run out instead of answering (rule 9 of docs/architecture.md)."""
         try:
-            return runner.probe_cost()
+            return runner.probe_cost(reuse=True)
         except Exception as e:  # reported as the load error (/health, the log)
             raise ModelLoadError(
                 f"could not measure this model's KV cache size, so it cannot be served "

@@ -24,6 +24,8 @@ Rows of a decode batch are left-padded to the longest row, so a batch costs
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -175,3 +177,50 @@ def probe_by_writes(model: LoadedModel, batchable: bool, written: WrittenKV) -> 
         mx.eval(cache_arrays(cache))
 
     return _probe_schedule(model, batchable, feed)
+
+
+# Costs measured in this process, by what they depend on (`checkpoint_key`): an engine
+# that starts again on the same checkpoint (a restart after a failure, several servers
+# in one process) does not measure again (on a pooled cache the probe runs forwards).
+_MEASURED: dict[tuple[Any, ...], CacheCost] = {}
+_MEASURED_LOCK = threading.Lock()
+
+
+def checkpoint_key(model: LoadedModel, batchable: bool) -> tuple[Any, ...] | None:
+    """What a model's cache cost depends on: its directory's files (name, size, mtime),
+    its config, the classes that run it, its shard and its cache setting, and whether
+    requests decode batched. None where the directory cannot be read (never reused)."""
+    try:
+        files = tuple(
+            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.path.iterdir())
+        )
+    except OSError:
+        return None
+    module = getattr(model.model, "module", None)
+    return (
+        str(model.path.resolve()),
+        files,
+        json.dumps(model.config, sort_keys=True, default=str),
+        type(model.model).__qualname__,
+        type(module).__qualname__,
+        repr(model.extra.get("shard")),
+        repr(model.extra.get("kv_quant")),
+        batchable,
+    )
+
+
+def measured_once(
+    model: LoadedModel, batchable: bool, measure: Callable[[], CacheCost]
+) -> CacheCost:
+    """`measure()`'s cost, or the one measured before in this process for the same
+    checkpoint and setting (`checkpoint_key`)."""
+    key = checkpoint_key(model, batchable)
+    with _MEASURED_LOCK:
+        known = _MEASURED.get(key) if key is not None else None
+    if known is not None:
+        return known
+    cost = measure()
+    if key is not None:
+        with _MEASURED_LOCK:
+            _MEASURED[key] = cost
+    return cost

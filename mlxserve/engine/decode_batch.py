@@ -9,6 +9,8 @@ DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`).
 
 from __future__ import annotations
 
+import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,6 +101,27 @@ class DecodeBatch:
         for layer in self.cache:
             layer.filter(keep)
         _evaluate_held_arrays(self.cache)
+
+
+class DecodeMode(enum.Enum):
+    """How a decode step's tokens are read (the three are greedy-identical)."""
+
+    PLAIN = "plain"  # forward, then read the tokens
+    AHEAD = "ahead"  # also start the next step's forward before reading them
+    OVERLAP = "overlap"  # start the forward; read the tokens once the chunks' graphs are built
+
+
+class DecodeTokens:
+    """What reads this step's decode tokens: nothing, or an overlapped step's read.
+    `read` may be called at every point the tokens could be needed; it reads once."""
+
+    def __init__(self, read: Callable[[], None] | None = None) -> None:
+        self._read = read
+
+    def read(self) -> None:
+        read, self._read = self._read, None
+        if read is not None:
+            read()
 
 
 def _evaluate_held_arrays(layers: list[Any]) -> None:

@@ -23,10 +23,8 @@ step's tokens are sampled, so the copies overlap what follows.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +34,8 @@ from mlxserve.cache.arrays import cache_arrays, cache_nbytes
 from mlxserve.engine import faults
 from mlxserve.engine.budget import CacheCost
 from mlxserve.engine.constraint import GrammarTokenizer
-from mlxserve.engine.cost_probe import probe_cost
-from mlxserve.engine.decode_batch import DecodeBatch, mergeable
+from mlxserve.engine.cost_probe import measured_once, probe_cost
+from mlxserve.engine.decode_batch import DecodeBatch, DecodeMode, DecodeTokens, mergeable
 from mlxserve.engine.faults import FaultHook
 from mlxserve.engine.kv_quantize import (
     kv_quant_of,
@@ -83,27 +81,6 @@ logger = logging.getLogger(__name__)
 
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
-
-
-class DecodeMode(enum.Enum):
-    """How a decode step's tokens are read (the three are greedy-identical)."""
-
-    PLAIN = "plain"  # forward, then read the tokens
-    AHEAD = "ahead"  # also start the next step's forward before reading them
-    OVERLAP = "overlap"  # start the forward; read the tokens once the chunks' graphs are built
-
-
-class _DecodeTokens:
-    """What reads this step's decode tokens: nothing, or an overlapped step's read.
-    `read` may be called at every point the tokens could be needed; it reads once."""
-
-    def __init__(self, read: Callable[[], None] | None = None) -> None:
-        self._read = read
-
-    def read(self) -> None:
-        read, self._read = self._read, None
-        if read is not None:
-            read()
 
 
 @dataclass
@@ -194,12 +171,17 @@ class Runner:
         """Bytes the live caches hold now (decode batch and per-request caches)."""
         return cache_nbytes([self.batch.cache, *self.caches.values()])
 
-    def probe_cost(self) -> CacheCost:
-        """This model's cache bytes against its tokens (see `cost_probe.probe_cost`)."""
-        if self.kv_quant is not None and self.kv_quant.quantize_after > 0:
-            self.cost = quantized_probe_cost(self.model, self.batchable, self.kv_quant)
-        else:
-            self.cost = probe_cost(self.model, self.batchable)
+    def probe_cost(self, reuse: bool = False) -> CacheCost:
+        """This model's cache bytes against its tokens (see `cost_probe.probe_cost`);
+        with `reuse`, the cost measured before in this process for the same
+        checkpoint and setting, if any (`cost_probe.measured_once`)."""
+
+        def measure() -> CacheCost:
+            if self.kv_quant is not None and self.kv_quant.quantize_after > 0:
+                return quantized_probe_cost(self.model, self.batchable, self.kv_quant)
+            return probe_cost(self.model, self.batchable)
+
+        self.cost = measured_once(self.model, self.batchable, measure) if reuse else measure()
         return self.cost
 
     def run(self, plan: StepPlan) -> StepResult:
@@ -215,7 +197,7 @@ class Runner:
         self.preempt(plan.preempted)
         if result.unreleased:
             return result  # the decode batch may be inconsistent: the engine recovers first
-        decoded = self._decode(plan, result) if plan.decodes else _DecodeTokens()
+        decoded = self._decode(plan, result) if plan.decodes else DecodeTokens()
         solo = plan.prefills
         if self.group_prefill and len(solo) > 1:
             decoded.read()
@@ -402,7 +384,7 @@ class Runner:
     def _pipelinable(self, requests: list[Request]) -> bool:
         return all(pipelinable(r.params, self.samplers[r.request_id]) for r in requests)
 
-    def _decode(self, plan: StepPlan, result: StepResult) -> _DecodeTokens:
+    def _decode(self, plan: StepPlan, result: StepResult) -> DecodeTokens:
         """Decode every running row (rows with drafts verify them instead, when their
         cache can be cut back and no step ran ahead of them)."""
         finish, drafts = plan.finish_rule, plan.drafts
@@ -413,13 +395,13 @@ class Runner:
                     self._verify([request], [drafts[request.request_id]], cache, finish, result)
                 else:
                     self._decode_rows([request], cache, finish, result, DecodeMode.PLAIN)
-            return _DecodeTokens()
+            return DecodeTokens()
         by_id = {r.request_id: r for r in plan.decodes}
         ordered = [by_id[rid] for rid in self.batch.request_ids if rid in by_id]
         cache = self.batch.cache
         if self.batch.ahead is None and self.verify.applies(ordered, drafts, len(ordered)):
             self._verify(ordered, [drafts[r.request_id] for r in ordered], cache, finish, result)
-            return _DecodeTokens()
+            return DecodeTokens()
         return self._decode_rows(ordered, cache, finish, result, self._decode_mode(plan))
 
     def _verify(
@@ -450,7 +432,7 @@ class Runner:
         finish: FinishRule | None,
         result: StepResult,
         mode: DecodeMode,
-    ) -> _DecodeTokens:
+    ) -> DecodeTokens:
         """One decode step over `cache`. AHEAD starts the next step before this one's
         tokens are read, so building its graph overlaps this step's compute (the
         way mlx-lm's and mlx-vlm's own loops decode). OVERLAP starts the forward
@@ -471,7 +453,7 @@ class Runner:
                     drawing.start()
                 if mode is DecodeMode.OVERLAP:
                     spent, drawn = time.perf_counter() - started, drawing
-                    return _DecodeTokens(
+                    return DecodeTokens(
                         lambda: self._settle(requests, drawn, finish, result, spent)
                     )
                 if mode is DecodeMode.AHEAD:
@@ -482,9 +464,9 @@ class Runner:
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("decode step failed for %d request(s)", len(requests))
             self._decode_failed(requests, e, result)
-            return _DecodeTokens()
+            return DecodeTokens()
         self._decoded(requests, rows, finish, result)
-        return _DecodeTokens()
+        return DecodeTokens()
 
     def _forward(self, requests: list[Request], cache: list[Any]) -> mx.array:
         inputs = mx.array([[r.output_ids[-1]] for r in requests], dtype=mx.int32)

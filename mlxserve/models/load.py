@@ -226,8 +226,11 @@ def load(
         vocab_size=_vocab_size(tokenizer, config),
         min_prefill_chunk=min_prefill_chunk(model_type),
     )
-    if shard is not None and not getattr(shard, "batchable", lambda _: True)(model_type):
-        loaded.extra["batchable"] = False
+    if shard is not None:
+        # What this rank holds (its measured cache cost differs from another rank's).
+        loaded.extra["shard"] = repr(shard)
+        if not getattr(shard, "batchable", lambda _: True)(model_type):
+            loaded.extra["batchable"] = False
     if tokenizer is not None:
         _check_renderable(loaded)
     progress.enter("ready")
