@@ -31,7 +31,7 @@ from mlxserve.chat.images import (
     ImageLimits,
     ImagePart,
     check_image,
-    image_from_url,
+    data_url_parts,
 )
 from mlxserve.chat.messages import PromptError, normalise_messages
 
@@ -44,20 +44,22 @@ LIMITS = ImageLimits(max_pixels=10_000, max_images=2)
 )
 def test_each_kind_is_read_with_its_size_and_hash(fmt: str, media_type: str) -> None:
     data = encoded(fmt, (7, 5))
-    part = check_image(image_from_url(data_url(data, media_type), "m[0]"), LIMITS)
+    part = check_image(ImageInput("m[0]", url=data_url(data, media_type)), LIMITS)
     assert (part.media_type, part.width, part.height) == (media_type, 7, 5)
     assert part.data == data and len(part.sha256) == 64 and part.where == "m[0]"
 
 
 def test_an_undeclared_type_is_read_from_the_bytes() -> None:
-    part = check_image(image_from_url("data:;base64," + b64(png()), "x"), LIMITS)
+    part = check_image(ImageInput("x", url="data:;base64," + b64(png())), LIMITS)
     assert part.media_type == "image/png"
-    assert image_from_url("data:image/jpg;base64,AAAA", "x").media_type == "image/jpeg"
+    assert data_url_parts("data:image/jpg;base64,AAAA", "x") == ("AAAA", "image/jpeg")
 
 
 def test_the_note_is_the_image_facts_only() -> None:
-    first = check_image(ImageInput(b64(png((640, 480))), "image/png", "a"), ImageLimits())
-    again = check_image(ImageInput(b64(png((640, 480), (1, 2, 3))), None, "b"), ImageLimits())
+    first = check_image(
+        ImageInput("a", data=b64(png((640, 480))), media_type="image/png"), ImageLimits()
+    )
+    again = check_image(ImageInput("b", data=b64(png((640, 480), (1, 2, 3)))), ImageLimits())
     expected = "[image: image/png, 640x480, not shown: this model reads text only]"
     assert first.note() == again.note() == expected
     assert first.sha256 != again.sha256
@@ -81,7 +83,7 @@ BAD_URLS = [
 @pytest.mark.parametrize(("url", "match"), BAD_URLS)
 def test_bad_urls_are_refused_before_any_decoding(url: str, match: str) -> None:
     with pytest.raises(ImageError, match=match) as info:
-        image_from_url(url, "messages[1].content[2]")
+        data_url_parts(url, "messages[1].content[2]")
     assert info.value.where == "messages[1].content[2]"
     assert str(info.value).startswith("messages[1].content[2]: ")
 
@@ -97,19 +99,22 @@ BAD_BYTES = [
     ("over the limit", b64(png((200, 200))), "image/png", "40000 pixels"),
     ("type disagrees", b64(encoded("JPEG")), "image/png", "declared image/png"),
     ("zero bytes", "====", "image/png", "base64|empty"),
+    ("no data", "", "image/png", "non-empty base64"),
+    ("data not a string", 5, "image/png", "non-empty base64"),
+    ("type not a string", b64(png()), 3, "must be a string"),
 ]
 
 
 @pytest.mark.parametrize(
     ("data", "media_type", "match"), [c[1:] for c in BAD_BYTES], ids=[c[0] for c in BAD_BYTES]
 )
-def test_bad_bytes_are_refused(data: str, media_type: str | None, match: str) -> None:
+def test_bad_bytes_are_refused(data: Any, media_type: Any, match: str) -> None:
     with pytest.raises(ImageError, match=match):
-        check_image(ImageInput(data, media_type, "p"), LIMITS)
+        check_image(ImageInput("p", data=data, media_type=media_type), LIMITS)
 
 
 def test_the_chat_stage_never_renders_an_image_it_was_handed() -> None:
-    image = ImageInput(b64(png()), "image/png", "x")
+    image = ImageInput("x", data=b64(png()), media_type="image/png")
     with pytest.raises(PromptError, match="cannot hold images"):
         normalise_messages([{"role": "user", "content": [image]}])
 
@@ -138,7 +143,7 @@ def _settle(prompt: PromptRequest, mode: str = "placeholder") -> tuple[Any, list
 
 
 def test_placeholder_mode_puts_each_note_in_place() -> None:
-    image = ImageInput(b64(png((3, 2))), "image/png", "messages[1].content[0]")
+    image = ImageInput("messages[1].content[0]", data=b64(png((3, 2))), media_type="image/png")
     out, tally = _settle(_prompt(image, {"type": "text", "text": "what is it?"}))
     assert out.messages[1]["content"] == [
         {"type": "text", "text": "[image: image/png, 3x2, not shown: this model reads text only]"},
@@ -150,19 +155,19 @@ def test_placeholder_mode_puts_each_note_in_place() -> None:
 
 
 def test_refuse_mode_names_the_model_and_the_part_after_checking() -> None:
-    good = ImageInput(b64(png()), "image/png", "messages[1].content[0]")
+    good = ImageInput("messages[1].content[0]", data=b64(png()), media_type="image/png")
     err, tally = _settle(_prompt(good), mode="refuse")
     assert isinstance(err, APIError) and err.status == 400
     assert err.code == "model_reads_text_only" and err.param == "messages[1].content[0]"
     assert "'m' reads text only" in err.message and "--images-for-text-models" in err.message
     assert tally == [("refused", 1)]
-    bad = ImageInput("AAAA", "image/png", "messages[1].content[0]")
+    bad = ImageInput("messages[1].content[0]", data="AAAA", media_type="image/png")
     err, tally = _settle(_prompt(bad, good), mode="refuse")
     assert err.code == "invalid_image" and tally == [("invalid", 1), ("skipped", 1)]
 
 
 def test_too_many_images_names_the_first_one_past_the_limit() -> None:
-    parts = [ImageInput(b64(png()), "image/png", f"messages[1].content[{j}]") for j in range(3)]
+    parts = [ImageInput(f"messages[1].content[{j}]", data=b64(png())) for j in range(3)]
     err, tally = _settle(_prompt(*parts))
     assert err.code == "too_many_images" and err.param == "messages[1].content[2]"
     assert "holds 3, the limit is 2" in err.message and tally == [("over_limit", 3)]
@@ -178,7 +183,7 @@ def test_openai_image_url_parts_become_image_inputs_in_user_and_tool_turns() -> 
     )
     first, second = messages[0]["content"][1], messages[1]["content"][0]
     assert isinstance(first, ImageInput) and first.where == "messages[0].content[1]"
-    assert isinstance(second, ImageInput) and second.media_type == "image/png"
+    assert isinstance(second, ImageInput) and second.url == url
     with pytest.raises(APIError, match="only a user or tool message"):
         chat_messages([{"role": "assistant", "content": [openai_image(url)]}])
     with pytest.raises(APIError, match="needs image_url.url") as info:
@@ -186,9 +191,12 @@ def test_openai_image_url_parts_become_image_inputs_in_user_and_tool_turns() -> 
     assert info.value.param == "messages[0].content[0]"
 
 
-def _anthropic(messages: list[dict[str, Any]]) -> list[Any]:
+def _anthropic(messages: list[dict[str, Any]], settle: bool = False) -> list[Any]:
     req = CountTokensRequest.model_validate({"model": "m", "messages": messages})
-    return list(prompt_request(req).messages)
+    prompt = prompt_request(req)
+    if settle:
+        prompt = settle_images(prompt, model_name="m", reads_images=False, policy=ImagePolicy())
+    return list(prompt.messages)
 
 
 def test_anthropic_images_in_a_user_turn_and_inside_a_tool_result() -> None:
@@ -235,7 +243,7 @@ def _pair(call: dict[str, Any]) -> list[dict[str, Any]]:
 )
 def test_anthropic_bad_image_sources(source: dict[str, Any], match: str) -> None:
     with pytest.raises(APIError, match=match) as info:
-        _anthropic([{"role": "user", "content": [{"type": "image", "source": source}]}])
+        _anthropic([{"role": "user", "content": [{"type": "image", "source": source}]}], True)
     assert info.value.status == 400 and info.value.param == "messages[0].content[0]"
 
 
@@ -257,7 +265,9 @@ def test_responses_input_image_parts() -> None:
     ]
     for part, match in cases:
         with pytest.raises(APIError, match=match) as info:
-            responses_messages([], [{"role": "user", "content": [part]}])
+            messages = responses_messages([], [{"role": "user", "content": [part]}])
+            prompt = PromptRequest(messages=messages)
+            settle_images(prompt, model_name="m", reads_images=False, policy=ImagePolicy())
         assert info.value.param == "input[0].content[0]"
     with pytest.raises(APIError, match="assistant message cannot hold an image"):
         responses_messages([], [{"role": "assistant", "content": [responses_image(url)]}])

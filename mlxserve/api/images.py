@@ -1,9 +1,8 @@
 """Images on every route: each dialect's image parts, checked, then placed or refused.
 
-A dialect's converter calls `url_image` or `base64_image` for each image part
-(cheap checks of the URL and the media type, on the event loop) and leaves the
-`ImageInput` in the chat message's content list. `settle_images` runs in the
-render worker thread, since decoding is CPU work: it counts the images against
+A dialect's converter leaves an `ImageInput` (what the client sent, unchecked)
+in place of each image part of a chat message's content list. `settle_images`
+runs in the render worker thread, since decoding is CPU work: it counts the images against
 `--max-images-per-request`, checks each one (`chat.images.check_image`) and then,
 for a model that reads text only, refuses the request or puts each image's note
 in its place (`--images-for-text-models`). Every failure is an `APIError` 400
@@ -24,8 +23,6 @@ from mlxserve.chat.images import (
     ImageLimits,
     ImagePart,
     check_image,
-    declared_type,
-    image_from_url,
 )
 from mlxserve.config import ServerConfig
 
@@ -51,24 +48,6 @@ class ImagePolicy:
 
 def image_error(e: ImageError, code: str = IMAGE_CODE) -> APIError:
     return APIError(400, str(e), param=e.where, code=code)
-
-
-def url_image(url: object, where: str) -> ImageInput:
-    """An image URL part (OpenAI `image_url`, Responses `input_image`): data: URLs only."""
-    try:
-        return image_from_url(url, where)
-    except ImageError as e:
-        raise image_error(e) from e
-
-
-def base64_image(data: object, media_type: object, where: str) -> ImageInput:
-    """An inline base64 image (Anthropic's `base64` source) with the type it declares."""
-    try:
-        if not isinstance(data, str) or not data.strip():
-            raise ImageError("source.data must be a non-empty base64 string", where)
-        return ImageInput(data, declared_type(media_type, where), where)
-    except ImageError as e:
-        raise image_error(e) from e
 
 
 def no_count(outcome: str, n: int) -> None:

@@ -63,13 +63,14 @@ class ImageLimits:
 
 @dataclass(frozen=True)
 class ImageInput:
-    """An image as the client sent it, not checked yet: base64 text and the type it claims.
+    """An image as the client sent it, not checked yet (any field may hold anything):
+    a `url` (OpenAI, Responses), or base64 `data` and the `media_type` it claims
+    (Anthropic's base64 source)."""
 
-    `media_type` is None when the client named none (a `data:;base64,...` URL)."""
-
-    data: str
-    media_type: str | None
     where: str
+    url: object = None
+    data: object = None
+    media_type: object = None
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,18 @@ def declared_type(media_type: object, where: str) -> str | None:
     return kind
 
 
-def image_from_url(url: object, where: str) -> ImageInput:
-    """An image URL as an `ImageInput`: only a base64 `data:` URL is read."""
+def _payload(image: ImageInput) -> tuple[str, str | None]:
+    """The base64 text and the declared media type (None: not named) of an image."""
+    where = image.where
+    if image.url is not None:
+        return data_url_parts(image.url, where)
+    if not isinstance(image.data, str) or not image.data.strip():
+        raise ImageError("the image data must be a non-empty base64 string", where)
+    return image.data, declared_type(image.media_type, where)
+
+
+def data_url_parts(url: object, where: str) -> tuple[str, str | None]:
+    """An image URL's base64 text and declared media type: only a `data:` URL is read."""
     if not isinstance(url, str):
         raise ImageError("the image URL must be a string", where)
     text = url.strip()
@@ -138,14 +149,16 @@ def image_from_url(url: object, where: str) -> ImageInput:
         raise ImageError("a data: URL must be base64 (data:image/png;base64,...)", where)
     if not payload.strip():
         raise ImageError("the data: URL holds no image data", where)
-    return ImageInput(payload, declared_type(params[0], where), where)
+    return payload, declared_type(params[0], where)
 
 
 def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
-    """The image's bytes checked: base64, a readable PNG/JPEG/WebP/GIF, within the limits."""
+    """The image checked: a data: URL or base64 (never fetched), a readable PNG, JPEG,
+    WebP or GIF, of the type it declares, within the limits."""
     where = image.where
+    text, declared = _payload(image)
     try:
-        data = base64.b64decode("".join(image.data.split()), validate=True)
+        data = base64.b64decode("".join(text.split()), validate=True)
     except (binascii.Error, ValueError) as e:
         raise ImageError(f"the image data is not valid base64 ({e})", where) from e
     if not data:
@@ -164,10 +177,8 @@ def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
         if width * height > limits.max_pixels:
             raise ImageError(_too_large((width, height), limits), where)
         actual = FORMATS[str(im.format)]
-        if image.media_type is not None and image.media_type != actual:
-            raise ImageError(
-                f"the image is declared {image.media_type} but its bytes are {actual}", where
-            )
+        if declared is not None and declared != actual:
+            raise ImageError(f"the image is declared {declared} but its bytes are {actual}", where)
         try:
             im.load()  # decodes the (first) frame: a truncated or corrupt stream fails here
         except _DECODE_ERRORS as e:

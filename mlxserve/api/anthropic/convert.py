@@ -23,7 +23,6 @@ from typing import Any
 from mlxserve.api.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mlxserve.api.errors import bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.images import base64_image, url_image
 from mlxserve.api.notices import warn_once
 from mlxserve.api.sealed import unseal_reasoning
 from mlxserve.api.structured import (
@@ -78,15 +77,15 @@ def _text_parts(content: str | Sequence[Any], where: str) -> list[dict[str, str]
 
 
 def _image(block: Mapping[str, Any], where: str) -> ImageInput:
-    """An `image` block: a `base64` source; a `url` source only as a data: URL."""
+    """An `image` block: a `base64` source, or a `url` one (read only as a data: URL)."""
     source = block.get("source")
     kind = source.get("type") if isinstance(source, Mapping) else None
     if not isinstance(source, Mapping) or not isinstance(kind, str):
         raise bad_request(f"{where}.source must be an object with a type", where)
     if kind == "base64":
-        return base64_image(source.get("data"), source.get("media_type"), where)
+        return ImageInput(where, data=source.get("data"), media_type=source.get("media_type"))
     if kind == "url":
-        return url_image(source.get("url"), where)
+        return ImageInput(where, url=source.get("url"))
     if kind == "file":
         raise bad_request(
             f"{where}: file sources (the Files API) are not supported; send the image as a "

@@ -14,7 +14,6 @@ from typing import Any
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.images import url_image
 from mlxserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from mlxserve.api.structured import OutputConstraint, ToolChoice, answer_constraint
 from mlxserve.chat import PromptRequest
@@ -79,7 +78,7 @@ def _image_part(part: Mapping[str, Any], where: str) -> ImageInput:
     url = spec.get("url") if isinstance(spec, Mapping) else spec
     if url is None:
         raise APIError(400, f"{where}: an image_url part needs image_url.url", param=where)
-    return url_image(url, where)
+    return ImageInput(where, url=url)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

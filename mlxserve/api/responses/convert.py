@@ -32,7 +32,6 @@ from pydantic import ValidationError
 from mlxserve.api.body import FunctionSpec
 from mlxserve.api.errors import bad_request
 from mlxserve.api.generation import ChatGeneration, Sampling
-from mlxserve.api.images import url_image
 from mlxserve.api.notices import warn_once
 from mlxserve.api.responses.protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
@@ -117,7 +116,7 @@ def _input_image(part: Item, where: str) -> ImageInput:
         )
     if part.get("image_url") is None:
         raise bad_request(f"{where}: an input_image needs image_url (a data: URL)", where)
-    return url_image(part.get("image_url"), where)
+    return ImageInput(where, url=part.get("image_url"))
 
 
 def _text_parts(content: Any, where: str, images: bool = False) -> str | list[Any]:
