@@ -9,6 +9,9 @@ second is a prefix-cache hit: an agent session that once held a screenshot goes 
 
 from __future__ import annotations
 
+import json
+import shlex
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,3 +204,21 @@ def test_the_text_model_mode_is_per_model_in_a_models_config(tmp_path: Path) -> 
     config.write_text(config.read_text().replace('"placeholder"', '"sometimes"'))
     with pytest.raises(ValueError, match="images_for_text_models"):
         build_app(build_parser().parse_args(argv))
+
+
+def test_the_readme_image_example_answers_in_placeholder_mode(placing: ServerThread) -> None:
+    from test_readme import sh_commands
+
+    (command,) = [c for c in sh_commands() if c.startswith("curl ") and "image_url" in c]
+    argv = shlex.split(command.replace("127.0.0.1:8000", f"127.0.0.1:{placing.args.port}"))
+    seen = _capture(placing)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    finally:
+        placing.state.on_submit = None
+    assert done.returncode == 0, done.stderr
+    body = json.loads(done.stdout)
+    assert body["choices"][0]["message"]["content"] == ANSWER, body
+    assert "[image: image/png, 2x2, not shown: this model reads text only]" in _text(
+        placing, seen[0]
+    )
