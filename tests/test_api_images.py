@@ -21,7 +21,15 @@ import httpx
 import openai
 import pytest
 from api_fixtures import ServerThread, free_port, metric, scripted_server
-from image_helpers import anthropic_image, data_url, encoded, openai_image, png, responses_image
+from image_helpers import (
+    anthropic_image,
+    data_url,
+    encoded,
+    openai_image,
+    png,
+    responses_image,
+    truncated_png,
+)
 
 from mlxserve.api.serve import build_app
 from mlxserve.cli import build_parser
@@ -121,6 +129,10 @@ def test_count_tokens_counts_an_image_as_its_note(refusing: ServerThread) -> Non
     with_image = count(anthropic_image(SHOT))
     assert with_image == count({"type": "text", "text": NOTE})
     assert with_image > count({"type": "text", "text": ""})
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        count(anthropic_image(truncated_png()))
+    message = bad.value.response.json()["error"]["message"]
+    assert message.startswith("messages[0].content[0]: ") and "truncated" in message
 
 
 def test_chat_completions_render_the_note_and_answer(placing: ServerThread) -> None:
