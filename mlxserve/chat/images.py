@@ -167,6 +167,8 @@ def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
         # `open` reads the header only; `formats` keeps every other decoder out.
         im = Image.open(io.BytesIO(data), formats=list(FORMATS))
     except Image.DecompressionBombError as e:
+        # Pillow's own process-wide cap (twice Image.MAX_IMAGE_PIXELS, left as it is) is
+        # met here before ours only when --max-image-pixels is set above it.
         raise ImageError(_too_large(None, limits), where) from e
     except _DECODE_ERRORS as e:
         raise ImageError(f"the data is not a readable {_KINDS} image", where) from e
