@@ -12,7 +12,12 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from mlxserve.config import SPECULATIVE_MODES
+from mlxserve.config import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    IMAGES_FOR_TEXT_MODELS,
+    SPECULATIVE_MODES,
+)
 
 FAMILIES = ("llama", "qwen3", "deepseek_v4", "deepseek_v41", "scripted")
 
@@ -77,8 +82,8 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="FILE.toml",
         help="the models to serve as [[model]] tables (name, path, aliases, per-model "
-        "tool_call_parser / reasoning_parser / chat_encoder / kv_cache_bits / "
-        "kv_cache_group_size / kv_quantize_after) and an optional default",
+        "tool_call_parser / reasoning_parser / chat_encoder / images_for_text_models / "
+        "kv_cache_bits / kv_cache_group_size / kv_quantize_after) and an optional default",
     )
     p.add_argument(
         "--default-model",
@@ -242,6 +247,31 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--max-body-bytes", type=int, default=16 * 1024 * 1024, help="request body size limit"
+    )
+    p.add_argument(
+        "--images-for-text-models",
+        choices=IMAGES_FOR_TEXT_MODELS,
+        default="refuse",
+        help="an image sent to a model that reads text only: refuse (a 400 naming the model) "
+        "or placeholder (a short note such as '[image: image/png, 640x480, not shown: ...]' "
+        "in its place, so an agent session that once held a screenshot goes on); "
+        "per model in --models-config",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="refuse an image of more than N pixels, read from its header before any pixel "
+        f"is decoded (default {DEFAULT_MAX_IMAGE_PIXELS})",
+    )
+    p.add_argument(
+        "--max-images-per-request",
+        type=int,
+        default=DEFAULT_MAX_IMAGES_PER_REQUEST,
+        metavar="N",
+        help="refuse a request holding more than N images, history included "
+        f"(default {DEFAULT_MAX_IMAGES_PER_REQUEST})",
     )
     p.add_argument(
         "--keepalive-interval",

@@ -18,6 +18,10 @@ def default_prefix_cache_bytes() -> int:
 
 
 SPECULATIVE_MODES = ("off", "ngram", "mtp", "auto")
+# What an image sent to a model without a vision tower gets (--images-for-text-models).
+IMAGES_FOR_TEXT_MODELS = ("refuse", "placeholder")
+DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
+DEFAULT_MAX_IMAGES_PER_REQUEST = 16
 MAX_DRAFT_TOKENS = 16
 
 
@@ -149,8 +153,21 @@ class ServerConfig:
     exit_on_engine_failure: bool = True
     # The operator page at /dashboard (--no-dashboard turns it off; /v1/status stays).
     dashboard: bool = True
+    # An image to a text-only model: a 400 ("refuse") or a short note in its place.
+    images_for_text_models: str = "refuse"
+    # Limits on the images of one request (checked before any pixel is decoded).
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    max_images_per_request: int = DEFAULT_MAX_IMAGES_PER_REQUEST
 
     def __post_init__(self) -> None:
+        if self.images_for_text_models not in IMAGES_FOR_TEXT_MODELS:
+            raise ValueError(
+                f"images_for_text_models must be one of {', '.join(IMAGES_FOR_TEXT_MODELS)}"
+            )
+        if self.max_image_pixels < 1:
+            raise ValueError("max_image_pixels must be at least 1")
+        if self.max_images_per_request < 0:
+            raise ValueError("max_images_per_request must be >= 0")
         if not 0 < self.port < 65536:
             raise ValueError("port must be in 1..65535")
         if not self.keepalive_interval_s > 0:

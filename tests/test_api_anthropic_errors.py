@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import pytest
 from api_fixtures import ServerThread, serve_args
+from image_helpers import anthropic_image, png
 
 from mlxserve.models import load
 from mlxserve.models.tiny.scripted import write_checkpoint
@@ -59,8 +60,13 @@ BAD: list[tuple[str, Any, str]] = [
     ("text not a string", _with(messages=[_user({"type": "text", "text": 3})]), "text"),
     (
         "image on a text-only model",
-        _with(messages=[_user({"type": "image", "source": {"type": "base64", "data": ""}})]),
+        _with(messages=[_user(anthropic_image(png()))]),
         "text only",
+    ),
+    (
+        "image without data",
+        _with(messages=[_user({"type": "image", "source": {"type": "base64", "data": ""}})]),
+        "non-empty base64",
     ),
     (
         "document on a text-only model",

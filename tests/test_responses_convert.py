@@ -363,8 +363,13 @@ BAD_CASES: list[tuple[str, dict[str, Any], str]] = [
         "input[1].call_id",
     ),
     (
-        "image part",
-        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:"}]}]},
+        "image by file_id",
+        {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+        "input[0].content[0]",
+    ),
+    (
+        "image in an assistant message",
+        {"input": [{"role": "assistant", "content": [{"type": "input_image", "image_url": "x"}]}]},
         "input[0].content[0]",
     ),
     (

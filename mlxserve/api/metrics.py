@@ -206,6 +206,15 @@ class Metrics:
             model,
             registry=reg,
         )
+        self.images = Counter(
+            f"{p}_images",
+            "Images received in generation requests, by what became of each: accepted (a "
+            "model that reads images), placeholder (a note in its place), refused (a "
+            "text-only model), invalid (a bad image), over_limit (its request held too "
+            "many), skipped (its request failed on another image).",
+            ["outcome", MODEL_LABEL],
+            registry=reg,
+        )
         self.ttft = Histogram(
             f"{p}_time_to_first_token_seconds",
             "Time to first token.",
@@ -248,6 +257,10 @@ class ModelMetrics:
 
     def count_request(self, endpoint: str, outcome: str) -> None:
         self.metrics.requests.labels(endpoint, outcome, self.name).inc()
+
+    def count_images(self, outcome: str, n: int = 1) -> None:
+        if n:
+            self.metrics.images.labels(outcome, self.name).inc(n)
 
     def observe_ttft(self, seconds: float) -> None:
         self.metrics.ttft.labels(self.name).observe(seconds)

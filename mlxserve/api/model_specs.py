@@ -12,7 +12,7 @@ from typing import Any
 
 # A name may not be empty or hold a comma or '=' (the --model syntax's separators).
 _NAME = re.compile(r"^[^,=\s][^,=]*$")
-_PARSER_KEYS = ("tool_call_parser", "reasoning_parser", "chat_encoder")
+_PARSER_KEYS = ("tool_call_parser", "reasoning_parser", "chat_encoder", "images_for_text_models")
 _KV_KEYS = ("kv_cache_bits", "kv_cache_group_size", "kv_quantize_after")
 _CONFIG_KEYS = {"name", "path", "aliases", *_PARSER_KEYS, *_KV_KEYS}
 
@@ -28,6 +28,8 @@ class ModelSpec:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     chat_encoder: str | None = None
+    # Per-model override of --images-for-text-models (refuse or placeholder).
+    images_for_text_models: str | None = None
     # Per-model overrides of --kv-cache-bits (0: full precision) and its companions.
     kv_cache_bits: int | None = None
     kv_cache_group_size: int | None = None

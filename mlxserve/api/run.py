@@ -26,6 +26,7 @@ from mlxserve.api.body import parse_body
 from mlxserve.api.detok import CONTEXT_TOKENS
 from mlxserve.api.errors import APIError, GenerationFailed
 from mlxserve.api.generation import ChatGeneration, Sampling
+from mlxserve.api.images import no_count, settle_images
 from mlxserve.api.models import ServedModels
 from mlxserve.api.notices import warn_once
 from mlxserve.api.pipeline import Accumulator, EngineRequestFailed, OutputDelta, OutputPipeline
@@ -172,10 +173,36 @@ class GenerationRun:
         return acc
 
 
-async def render_chat(model: LoadedModel, prompt: PromptRequest) -> PromptIds:
-    """The prompt's text and token ids (in a worker thread); 400 for a bad conversation."""
+async def render_chat(
+    state: ServerState,
+    model: LoadedModel,
+    prompt: PromptRequest,
+    *,
+    text_models: str | None = None,
+    count_images: bool = True,
+) -> PromptIds:
+    """The prompt's text and token ids (in a worker thread); 400 for a bad conversation.
+
+    Its images are checked and placed first, in the same thread (decoding is CPU
+    work): `text_models` overrides the model's --images-for-text-models, and
+    `count_images` says whether they count in /metrics (not for count_tokens)."""
+    policy = state.image_policy
+    if text_models is not None:
+        policy = replace(policy, text_models=text_models)
+    counter = state.metrics.count_images if count_images else no_count
+
+    def render() -> PromptIds:
+        settled = settle_images(
+            prompt,
+            model_name=state.model_name,
+            reads_images=model.reads_images,
+            policy=policy,
+            count=counter,
+        )
+        return render_prompt(model, settled)
+
     try:
-        return await asyncio.to_thread(render_prompt, model, prompt)
+        return await asyncio.to_thread(render)
     except (PromptError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from e
 
@@ -222,7 +249,7 @@ async def start_chat(
     arrival: float,
 ) -> tuple[PromptIds, GenerationRun]:
     """Render a chat request and submit it, with the model's reasoning and tool parsers."""
-    prompt = await render_chat(model, gen.prompt)
+    prompt = await render_chat(state, model, gen.prompt)
     thinking = thinking_mode(prompt.text, model)
     spec = state.parsers(model)
     parser = spec.create(thinking=thinking, tools_given=gen.tools_enabled)

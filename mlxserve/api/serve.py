@@ -18,7 +18,12 @@ from mlxserve.api.metrics import Metrics
 from mlxserve.api.model_specs import ModelSpec, model_specs
 from mlxserve.api.models import ServedModels
 from mlxserve.api.state import ServerState
-from mlxserve.config import EngineConfig, ServerConfig
+from mlxserve.config import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    DEFAULT_MAX_IMAGES_PER_REQUEST,
+    EngineConfig,
+    ServerConfig,
+)
 from mlxserve.engine.budget import KVPool
 from mlxserve.kv_quant import KVQuant
 from mlxserve.models.loaded import LoadedModel
@@ -77,6 +82,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         responses_store_bytes=args.responses_store_bytes,
         exit_on_engine_failure=args.exit_on_engine_failure,
         dashboard=not getattr(args, "no_dashboard", False),
+        images_for_text_models=getattr(args, "images_for_text_models", "refuse"),
+        max_image_pixels=getattr(args, "max_image_pixels", DEFAULT_MAX_IMAGE_PIXELS),
+        max_images_per_request=getattr(
+            args, "max_images_per_request", DEFAULT_MAX_IMAGES_PER_REQUEST
+        ),
     )
 
 
@@ -179,7 +189,12 @@ def _model_state(
     scfg = server_config(args)
     overrides = {
         key: value
-        for key in ("tool_call_parser", "reasoning_parser", "chat_encoder")
+        for key in (
+            "tool_call_parser",
+            "reasoning_parser",
+            "chat_encoder",
+            "images_for_text_models",
+        )
         if (value := getattr(spec, key)) is not None
     }
     scfg = replace(scfg, served_model_name=spec.name, **overrides)

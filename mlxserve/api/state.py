@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from mlxserve.api.errors import APIError
 from mlxserve.api.generation import Sampling
+from mlxserve.api.images import ImagePolicy
 from mlxserve.api.metrics import Metrics, ModelMetrics
 from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
@@ -124,6 +125,11 @@ class ServerState:
     def served_names(self) -> tuple[str, ...]:
         """The names this model answers to: the served name first, then the other aliases."""
         return (self.model_name, *(a for a in self.aliases if a != self.model_name))
+
+    @property
+    def image_policy(self) -> ImagePolicy:
+        """What this model does with images (its limits and its text-only mode)."""
+        return ImagePolicy.of(self.config)
 
     def parsers(self, model: LoadedModel) -> ParserSpec:
         if self._parsers is None:

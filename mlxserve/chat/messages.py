@@ -155,6 +155,10 @@ def content_text(content: Any, join: str, where: str = "message") -> str | None:
             if isinstance(block, str):
                 parts.append(block)
                 continue
+            if not _is_map(block) and _is_image(block):
+                # The api layer replaces every image before rendering (placeholder mode) or
+                # refuses it; an image that gets here has no renderer that can place it.
+                raise PromptError(f"{where}.content[{j}]: this model's prompt cannot hold images")
             if not _is_map(block) or block.get("type", "text") != "text":
                 kind = block.get("type") if _is_map(block) else type(block).__name__
                 raise PromptError(
@@ -166,6 +170,13 @@ def content_text(content: Any, join: str, where: str = "message") -> str | None:
             parts.append(text)
         return join.join(parts)
     raise PromptError(f"{where}.content must be a string, null or a list of text blocks")
+
+
+def _is_image(block: Any) -> bool:
+    # (Imported here: images.py builds on this module's PromptError.)
+    from mlxserve.chat.images import ImageInput, ImagePart
+
+    return isinstance(block, ImageInput | ImagePart)
 
 
 def _reasoning(msg: Mapping[str, Any], where: str) -> str | None:

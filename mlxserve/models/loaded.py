@@ -35,4 +35,8 @@ class LoadedModel:
     # Prefill chunks shorter than this cost more than one this long (see
     # `load.min_prefill_chunk`), so the scheduler does not cut shorter ones.
     min_prefill_chunk: int = 1
+    # Whether the model has a vision tower its prompts can place images for. No loader
+    # sets it yet (issue 44's vision work); until then every image meets the server's
+    # --images-for-text-models policy.
+    reads_images: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

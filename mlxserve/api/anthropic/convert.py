@@ -6,7 +6,9 @@ same conversation: `tool_use` blocks are assistant tool calls, `tool_result`
 blocks are tool messages (in place, so DeepSeek folds them into the user
 turn), `thinking` blocks are the reply's reasoning. A `system` message inside
 `messages` is rendered where it stands: as a system turn before the first
-conversation turn, as a developer turn after it.
+conversation turn, as a developer turn after it. `image` blocks, in a user
+turn or inside a `tool_result`, stay in place as `ImageInput`s (`api/images.py`
+checks them and places or refuses them).
 
 Thinking blocks carry a `signature` that holds their text (compressed), so a
 client that was sent no thinking text (`display: "omitted"`) still re-sends
@@ -31,12 +33,13 @@ from mlxserve.api.structured import (
     with_response_format,
 )
 from mlxserve.chat import PromptRequest
+from mlxserve.chat.images import ImageInput
 
 # Claude Code's first system block: billing metadata for Anthropic's servers, not an
 # instruction, and it differs between sessions; left in, it would end every
 # cross-session prefix-cache hit at the prompt's first tokens.
 BILLING_HEADER = "x-anthropic-billing-header:"
-_MEDIA_BLOCKS = frozenset({"image", "document", "search_result", "container_upload"})
+_MEDIA_BLOCKS = frozenset({"document", "search_result", "container_upload"})
 
 
 def _text_block(block: Mapping[str, Any], where: str) -> str:
@@ -73,15 +76,50 @@ def _text_parts(content: str | Sequence[Any], where: str) -> list[dict[str, str]
     return parts
 
 
-def _tool_result_text(block: Mapping[str, Any], where: str) -> str:
+def _image(block: Mapping[str, Any], where: str) -> ImageInput:
+    """An `image` block: a `base64` source, or a `url` one (read only as a data: URL)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, Mapping) else None
+    if not isinstance(source, Mapping) or not isinstance(kind, str):
+        raise bad_request(f"{where}.source must be an object with a type", where)
+    if kind == "base64":
+        return ImageInput(where, data=source.get("data"), media_type=source.get("media_type"))
+    if kind == "url":
+        return ImageInput(where, url=source.get("url"))
+    if kind == "file":
+        raise bad_request(
+            f"{where}: file sources (the Files API) are not supported; send the image as a "
+            "base64 source",
+            where,
+        )
+    raise bad_request(f"{where}: unknown image source type {kind!r}; send a base64 source", where)
+
+
+def _tool_result_content(block: Mapping[str, Any], where: str) -> str | list[Any]:
+    """A tool result's content: text (its blocks joined by newlines), or, when it holds
+    images (Claude Code's `Read` of a PNG), its text parts and images in order."""
     content = block.get("content", "")
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad_request(f"{where}.content must be a string or a list of text blocks", where)
-    return "\n".join(p["text"] for p in _text_parts(content, f"{where}.content"))
+        raise bad_request(
+            f"{where}.content must be a string or a list of text and image blocks", where
+        )
+    parts: list[str | ImageInput] = []
+    for j, inner in enumerate(content):
+        here = f"{where}.content[{j}]"
+        kind = _block_type(inner, here)
+        if kind == "image":
+            parts.append(_image(inner, here))
+        elif kind == "text":
+            parts.append(_text_block(inner, here))
+        else:
+            raise bad_request(f"{here}: expected a 'text' or 'image' block, got '{kind}'", here)
+    if all(isinstance(p, str) for p in parts):
+        return "\n".join(p for p in parts if isinstance(p, str))
+    return [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
 
 
 def _user_messages(
@@ -93,12 +131,15 @@ def _user_messages(
     if not content:
         raise bad_request(f"{where}: a user message needs at least one content block", where)
     out: list[dict[str, Any]] = []
-    text: list[dict[str, str]] = []
+    text: list[Any] = []  # the user turn's text parts and images, in order
     for j, block in enumerate(content):
         here = f"{where}[{j}]"
         kind = _block_type(block, here)
         if kind == "text":
             text.append({"type": "text", "text": _text_block(block, here)})
+            continue
+        if kind == "image":
+            text.append(_image(block, here))
             continue
         if kind != "tool_result":
             raise bad_request(f"{here}: a user message cannot hold a '{kind}' block", here)
@@ -113,7 +154,7 @@ def _user_messages(
             out.append({"role": "user", "content": text})
             text = []
         out.append(
-            {"role": "tool", "tool_call_id": call_id, "content": _tool_result_text(block, here)}
+            {"role": "tool", "tool_call_id": call_id, "content": _tool_result_content(block, here)}
         )
     if text:
         out.append({"role": "user", "content": text})

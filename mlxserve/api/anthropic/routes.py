@@ -36,5 +36,9 @@ async def messages(server: ServedModels, request: Request) -> Response:
 
 async def count_tokens(server: ServedModels, request: Request) -> Response:
     req, state, model = await accept(server, request, CountTokensRequest)
-    prompt = await render_chat(model, prompt_request(req))
+    # An image counts as its placeholder note's tokens, whatever the model's mode: the
+    # count is an estimate a client plans with, and a refusal is the request's to answer.
+    prompt = await render_chat(
+        state, model, prompt_request(req), text_models="placeholder", count_images=False
+    )
     return JSONResponse({"input_tokens": len(prompt.token_ids)})

@@ -1,12 +1,14 @@
 """OpenAI chat and text completion requests -> the internal request (pure functions).
 
 Chat messages are already the shape the chat stage renders; what is
-converted here is `tool_choice` and `response_format` (to the one
-`answer_constraint`), the sampling fields, and a text prompt to token ids.
+converted here is `image_url` parts (to `ImageInput`s, see `api/images.py`),
+`tool_choice` and `response_format` (to the one `answer_constraint`), the
+sampling fields, and a text prompt to token ids.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +17,11 @@ from mlxserve.api.generation import ChatGeneration, Sampling
 from mlxserve.api.openai.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from mlxserve.api.structured import OutputConstraint, ToolChoice, answer_constraint
 from mlxserve.chat import PromptRequest
+from mlxserve.chat.images import ImageInput
 from mlxserve.models.loaded import LoadedModel
+
+# The roles whose content may hold an image (OpenAI's own take them in user turns).
+IMAGE_ROLES = frozenset({"user", "tool"})
 
 
 def tool_choice(req: ChatCompletionRequest) -> ToolChoice:
@@ -65,11 +71,47 @@ def output_constraint(req: ChatCompletionRequest) -> OutputConstraint | None:
     return answer_constraint(tools, tool_choice(req), response_schema(req))
 
 
+def _image_part(part: Mapping[str, Any], where: str) -> ImageInput:
+    """An `image_url` part: `{"url": "data:..."}` (or the URL string itself); `detail`
+    is accepted and ignored."""
+    spec = part.get("image_url")
+    url = spec.get("url") if isinstance(spec, Mapping) else spec
+    if url is None:
+        raise APIError(400, f"{where}: an image_url part needs image_url.url", param=where)
+    return ImageInput(where, url=url)
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The client's messages, each `image_url` part turned into an `ImageInput` in place
+    (user and tool messages only); every other part is left for the chat stage."""
+    out = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list) or not any(_is_image(p) for p in content):
+            out.append(msg)
+            continue
+        if msg.get("role") not in IMAGE_ROLES:
+            where = f"messages[{i}].content"
+            raise APIError(
+                400, f"{where}: only a user or tool message can hold an image", param=where
+            )
+        parts = [
+            _image_part(p, f"messages[{i}].content[{j}]") if _is_image(p) else p
+            for j, p in enumerate(content)
+        ]
+        out.append({**msg, "content": parts})
+    return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") == "image_url"
+
+
 def chat_generation(req: ChatCompletionRequest) -> ChatGeneration:
     """A chat completion request in the server's internal terms."""
     tools = tool_dicts(req)
     prompt = PromptRequest(
-        messages=req.messages,
+        messages=chat_messages(req.messages),
         tools=tools,
         reasoning_effort=req.reasoning_effort,
         chat_template_kwargs=req.chat_template_kwargs or {},

@@ -5,7 +5,8 @@ so this route, chat completions and Anthropic Messages share one encoder
 and build the same prompt for the same conversation:
 
 * `message` items keep their role (`system`, `developer`, `user`,
-  `assistant`); text parts become chat text parts.
+  `assistant`); text parts become chat text parts, `input_image` parts
+  `ImageInput`s in place (`api/images.py` checks them and places or refuses them).
 * The assistant-side items of one turn (`reasoning`, an assistant
   `message`, `function_call`s) fold into one assistant message with
   `reasoning_content`, `content` and `tool_calls`.
@@ -36,12 +37,13 @@ from mlxserve.api.responses.protocol import ResponsesRequest
 from mlxserve.api.sealed import unseal_reasoning
 from mlxserve.api.structured import ToolChoice, answer_constraint, with_response_format
 from mlxserve.chat import PromptRequest
+from mlxserve.chat.images import ImageInput
 
 Item = Mapping[str, Any]
 
 ROLES = frozenset({"user", "assistant", "system", "developer"})
 TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-MEDIA_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+MEDIA_PARTS = frozenset({"input_file", "input_audio"})
 HOSTED_TOOLS = frozenset(
     {
         "web_search",
@@ -104,18 +106,37 @@ def _str_field(item: Item, key: str, where: str, required: bool = True) -> str |
     return value
 
 
-def _text_parts(content: Any, where: str) -> str | list[dict[str, str]]:
-    """A message's content as chat content: a string or chat text parts."""
+def _input_image(part: Item, where: str) -> ImageInput:
+    """An `input_image` part: `image_url` as a data: URL (`detail` is ignored)."""
+    if part.get("file_id") is not None:
+        raise bad_request(
+            f"{where}: file_id is not supported (this server keeps no files); send the image "
+            "inline as image_url, a data: URL (data:image/png;base64,...)",
+            where,
+        )
+    if part.get("image_url") is None:
+        raise bad_request(f"{where}: an input_image needs image_url (a data: URL)", where)
+    return ImageInput(where, url=part.get("image_url"))
+
+
+def _text_parts(content: Any, where: str, images: bool = False) -> str | list[Any]:
+    """A message's content as chat content: a string, or chat text parts (and, where
+    `images`, the `ImageInput`s of its `input_image` parts, in place)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of content parts", where)
-    parts: list[dict[str, str]] = []
+    parts: list[Any] = []
     for j, part in enumerate(content):
         here = f"{where}[{j}]"
         if not isinstance(part, Mapping):
             raise bad_request(f"{here} must be a content part object", here)
         kind = part.get("type")
+        if kind == "input_image":
+            if not images:
+                raise bad_request(f"{here}: an assistant message cannot hold an image", here)
+            parts.append(_input_image(part, here))
+            continue
         if kind in MEDIA_PARTS:
             raise bad_request(
                 f"{here}: '{kind}' parts are not supported: this model takes text only", here
@@ -167,7 +188,7 @@ class _Reply:
     """The assistant-side items of one turn, folded into one chat message."""
 
     reasoning: list[str] = field(default_factory=list)
-    content: list[dict[str, str]] = field(default_factory=list)
+    content: list[Any] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     stage: int = -1  # 0 reasoning, 1 message, 2 function calls
 
@@ -232,7 +253,7 @@ class _Conversation:
                 f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}",
                 f"{where}.role",
             )
-        content = _text_parts(item.get("content"), f"{where}.content")
+        content = _text_parts(item.get("content"), f"{where}.content", role != "assistant")
         if role == "assistant":
             reply = self._assistant(1)
             parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -268,7 +289,7 @@ class _Conversation:
                 f"{where}.call_id",
             )
         output = item.get("output", "")
-        content = _text_parts(output, f"{where}.output")
+        content = _text_parts(output, f"{where}.output", images=True)
         self._close()
         self.messages.append({"role": "tool", "tool_call_id": call_id, "content": content})
 
