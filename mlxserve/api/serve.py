@@ -276,7 +276,8 @@ def run(args: argparse.Namespace) -> int:
         )
     names = ", ".join(repr(s.model_name) for s in served.models)
     logger.info("serving %s on http://%s:%d/v1", names, args.host, args.port)
-    status = serve_app(app, served, args.host, args.port, str(args.log_level).lower())
+    log_level = str(args.log_level).lower()
+    status = serve_app(app, served, args.host, args.port, log_level, distributed=group is not None)
     if any(s.engine.stats().get("stalled") for s in served.models) or group is not None:
         # (Distributed: the other ranks may be gone, and tearing the group down
         # at interpreter exit could wait on them.)
@@ -287,10 +288,19 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def serve_app(app: FastAPI, served: ServedModels, host: str, port: int, log_level: str) -> int:
+def serve_app(
+    app: FastAPI,
+    served: ServedModels,
+    host: str,
+    port: int,
+    log_level: str,
+    distributed: bool = False,
+) -> int:
     """Run uvicorn until it stops; 1 if a model failed to load (that ends the server at
     once: it could never answer) or an engine thread died (with `--exit-on-engine-failure`
-    that ends it at once too, for a supervisor)."""
+    that ends it at once too, for a supervisor). Distributed, an engine that died ends
+    the server at once, without a graceful wait: its peers are gone or will not step
+    again, so it could never answer, and `mlx.launch` ends the launch when rank 0 does."""
     import uvicorn
 
     config = uvicorn.Config(
@@ -299,9 +309,10 @@ def serve_app(app: FastAPI, served: ServedModels, host: str, port: int, log_leve
     server = uvicorn.Server(config)
 
     def on_engine_failure(reason: str) -> None:
-        if served.config.exit_on_engine_failure:
+        if served.config.exit_on_engine_failure or distributed:
             logger.critical("exiting: the engine failed (%s)", reason)
             server.should_exit = True
+            server.force_exit = distributed
 
     def on_load_failure(reason: str) -> None:
         logger.critical("exiting: the model failed to load (%s)", reason)
