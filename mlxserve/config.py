@@ -21,7 +21,9 @@ SPECULATIVE_MODES = ("off", "ngram", "mtp", "auto")
 # What an image sent to a model without a vision tower gets (--images-for-text-models).
 IMAGES_FOR_TEXT_MODELS = ("refuse", "placeholder")
 DEFAULT_MAX_IMAGE_PIXELS = 40_000_000
-DEFAULT_MAX_IMAGES_PER_REQUEST = 16
+# Anthropic's API takes up to 100 images a request, and agents re-send a session's
+# images with every turn: a lower cap would end a long session with screenshots.
+DEFAULT_MAX_IMAGES_PER_REQUEST = 100
 MAX_DRAFT_TOKENS = 16
 
 

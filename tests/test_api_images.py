@@ -33,7 +33,7 @@ from image_helpers import (
 
 from mlxserve.api.serve import build_app
 from mlxserve.cli import build_parser
-from mlxserve.models.scripted import write_checkpoint
+from mlxserve.models.tiny.scripted import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -277,3 +277,29 @@ def test_limits_are_checked_on_construction() -> None:
     with pytest.raises(ValueError):
         ImageLimits(max_pixels=0)
     assert isinstance(ImagePart(b"", "image/png", 1, 1, "h").note(), str)
+
+
+def test_an_image_read_before_is_not_decoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-sent history: the same bytes are read from the header and decoded once; later
+    checks still hold them to the limits and to the type declared this time."""
+    from mlxserve.chat import images
+
+    opened: list[int] = []
+    real_open = images.Image.open
+
+    def counting_open(*args: object, **kwargs: object) -> object:
+        opened.append(1)
+        return real_open(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(images.Image, "open", counting_open)
+    monkeypatch.setattr(images, "_READ", images._ReadImages(capacity=4))
+    url = data_url(png((3, 2)))
+    first = check_image(ImageInput("a", url=url), LIMITS)
+    again = check_image(ImageInput("b", url=url), LIMITS)
+    assert (first.width, first.height, first.sha256) == (again.width, again.height, again.sha256)
+    assert len(opened) == 1
+    with pytest.raises(ImageError, match="declared image/jpeg"):
+        check_image(ImageInput("c", url=url.replace("image/png", "image/jpeg")), LIMITS)
+    with pytest.raises(ImageError, match="too large"):
+        check_image(ImageInput("d", url=url), ImageLimits(max_pixels=5, max_images=2))
+    assert len(opened) == 1

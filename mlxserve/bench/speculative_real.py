@@ -1,7 +1,7 @@
 """`mlxserve bench speculative --real`: prompt-lookup drafts on a trained model's edit.
 
 The model is the demo's SmolLM2-135M-Instruct (a real GGUF, fetched and
-converted once, see `models/demo.py`), asked for an agent's everyday edit:
+converted once, see `models/tiny/demo.py`), asked for an agent's everyday edit:
 add a line to a short file and give the whole file back. Its reply
 re-emits the file, which is what prompt lookup drafts from. The same greedy
 request runs without drafts and with `--speculative ngram`; the figures are

@@ -22,11 +22,13 @@ import binascii
 import hashlib
 import io
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from PIL import Image
 
-from mlxserve.chat.messages import PromptError
+from mlxserve.chat.errors import PromptError
 from mlxserve.config import DEFAULT_MAX_IMAGE_PIXELS, DEFAULT_MAX_IMAGES_PER_REQUEST
 
 # Pillow's format name -> the media type clients use for it.
@@ -154,7 +156,11 @@ def data_url_parts(url: object, where: str) -> tuple[str, str | None]:
 
 def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
     """The image checked: a data: URL or base64 (never fetched), a readable PNG, JPEG,
-    WebP or GIF, of the type it declares, within the limits."""
+    WebP or GIF, of the type it declares, within the limits.
+
+    Agents re-send every image of a session with every turn: bytes read once before
+    (`_READ`, by content hash) are not decoded again, only held to the limits and
+    to the type the client declares this time."""
     where = image.where
     text, declared = _payload(image)
     try:
@@ -163,6 +169,19 @@ def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
         raise ImageError(f"the image data is not valid base64 ({e})", where) from e
     if not data:
         raise ImageError("the image is empty (zero bytes)", where)
+    digest = hashlib.sha256(data).hexdigest()
+    actual, width, height = _READ.get(digest) or _read(data, where, limits)
+    if width * height > limits.max_pixels:
+        raise ImageError(_too_large((width, height), limits), where)
+    if declared is not None and declared != actual:
+        raise ImageError(f"the image is declared {declared} but its bytes are {actual}", where)
+    _READ.put(digest, (actual, width, height))
+    return ImagePart(data, actual, width, height, digest, where)
+
+
+def _read(data: bytes, where: str, limits: ImageLimits) -> tuple[str, int, int]:
+    """Media type and size of image bytes, decoding the first frame only once its
+    pixel count is known to be within the limit (a bomb is refused from its header)."""
     try:
         # `open` reads the header only; `formats` keeps every other decoder out.
         im = Image.open(io.BytesIO(data), formats=list(FORMATS))
@@ -179,14 +198,39 @@ def check_image(image: ImageInput, limits: ImageLimits) -> ImagePart:
         if width * height > limits.max_pixels:
             raise ImageError(_too_large((width, height), limits), where)
         actual = FORMATS[str(im.format)]
-        if declared is not None and declared != actual:
-            raise ImageError(f"the image is declared {declared} but its bytes are {actual}", where)
         try:
             im.load()  # decodes the (first) frame: a truncated or corrupt stream fails here
         except _DECODE_ERRORS as e:
             raise ImageError(f"the {actual} image is truncated or corrupt ({e})", where) from e
-    digest = hashlib.sha256(data).hexdigest()
-    return ImagePart(data, actual, width, height, digest, where)
+    return actual, width, height
+
+
+class _ReadImages:
+    """What the most recent images read were (media type, width, height), by the
+    SHA-256 of their bytes; a bounded LRU shared by the render threads."""
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._known: OrderedDict[str, tuple[str, int, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> tuple[str, int, int] | None:
+        with self._lock:
+            found = self._known.get(digest)
+            if found is not None:
+                self._known.move_to_end(digest)
+            return found
+
+    def put(self, digest: str, read: tuple[str, int, int]) -> None:
+        with self._lock:
+            self._known[digest] = read
+            self._known.move_to_end(digest)
+            while len(self._known) > self._capacity:
+                self._known.popitem(last=False)
+
+
+# A few hundred sessions' screenshots; each entry is a hash and three small values.
+_READ = _ReadImages(capacity=1024)
 
 
 def _too_large(size: tuple[int, int] | None, limits: ImageLimits) -> str:

@@ -14,15 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mlxserve.chat.errors import PromptError
+from mlxserve.chat.images import ImageInput, ImagePart
+
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "developer", "user", "assistant", "tool")
-
-
-class PromptError(ValueError):
-    """A request cannot be rendered into a prompt; the message tells the client why.
-
-    The server answers it with HTTP 400 (`invalid_request_error`).
-    """
 
 
 @dataclass(frozen=True)
@@ -173,9 +169,6 @@ def content_text(content: Any, join: str, where: str = "message") -> str | None:
 
 
 def _is_image(block: Any) -> bool:
-    # (Imported here: images.py builds on this module's PromptError.)
-    from mlxserve.chat.images import ImageInput, ImagePart
-
     return isinstance(block, ImageInput | ImagePart)
 
 
