@@ -4,7 +4,7 @@ A request's layer caches merge into the batch when their type has a batched
 form: mlx-lm's plain and sliding-window KV caches (`BatchKVCache`,
 `BatchRotatingKVCache`, left-padded), quantized KV caches
 (`models/quantized_batch.py`), mlx-vlm's DeepSeek-V4 caches and
-DeepSeek-V4.1's layer caches (see `models/dsv4_batch.py`).
+DeepSeek-V4.1's layer caches (see `models/deepseek_v4/batch.py`).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ class Scheduler:
         Prompts that all fit in the budget, with nobody decoding, are all fed
         (whole fresh prompts share one forward, see `prefill_group.py`), and a
         prefix-cache hit's suffix that prefills alone goes in two forwards (see
-        `_hit_suffix_chunk`).
+        `PrefillSizer.hit_suffix_tokens` in `prefill_plan.py`).
         """
         prefilling = [r for r in self.running if r.status == RequestStatus.PREFILLING]
         prefilling.sort(key=lambda r: r.prefill_remaining)

@@ -6,7 +6,7 @@ position only during prefill: projecting every prompt position through a
 129k-row lm_head costs far more than the rest of a tiny model's prefill.
 
 Loading wraps the modules our batched caches need: DeepSeek-V4's overlap
-compressors (`dsv4_overlap`) and DeepSeek-V4.1's attention (`dsv41_batch`,
+compressors (`deepseek_v4/overlap.py`) and DeepSeek-V4.1's attention (`deepseek_v4/v41_batch.py`,
 so V4.1 requests decode as one batch, each row at its own position), and
 on the CPU backend a float32 lm_head (`cpu_head`: same logits, faster).
 """

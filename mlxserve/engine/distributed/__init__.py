@@ -1,7 +1,7 @@
 """Distributed serving: rank 0 decides, every rank executes (rule 12 of docs/architecture.md).
 
 Rank 0 runs the HTTP server, the scheduler, the prefix cache's policy and the
-sampler. Before each run it sends the step's plan (`plan_codec.WirePlan`)
+sampler. Before each run it sends the step's plan (`codec.WirePlan`)
 with one `mx.distributed` collective (two for a long prompt), and every rank
 runs the same `Runner` forwards on its shard of the model: tensor parallel
 forwards sum inside each layer, pipeline forwards pass the hidden state from

@@ -6,8 +6,8 @@ cannot be trimmed: mlx-vlm's speculative cache transaction
 (`start_speculative_cache`) records what the forward changed and, on commit,
 keeps exactly the kept positions (windows are replayed, pools re-cut; our
 carrying pools pick their carry from the kept windows, see
-`models/dsv4_batch.py`). DeepSeek-V4.1's layer caches have no transaction,
-and their batched form decodes one token per row (`models/dsv41_batch.py`):
+`models/deepseek_v4/batch.py`). DeepSeek-V4.1's layer caches have no transaction,
+and their batched form decodes one token per row (`models/deepseek_v4/v41_batch.py`):
 a verify extracts the row as mlx-lm's own `LayerCache`, feeds it the block,
 and, when a draft is rejected, puts the state from before the block back and
 feeds the kept positions again (`_Replay`). Other caches cannot be cut back,

@@ -12,7 +12,7 @@ complete window; `BatchCarryingPoolingCache` keeps one carried window per row:
 
 `merge_layer` turns one request's layer cache into a batch of one; `mergeable`
 says whether a layer cache can be merged at all (checked on an empty probe).
-DeepSeek-V4.1's `LayerCache` (mlx-lm) merges into `dsv41_cache.BatchLayerCache`.
+DeepSeek-V4.1's `LayerCache` (mlx-lm) merges into `v41_cache.BatchLayerCache`.
 """
 
 from __future__ import annotations

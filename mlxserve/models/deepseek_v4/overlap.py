@@ -13,7 +13,7 @@ state; this module does the same with our own small classes:
   window (raw kv and gate), part of its `state`, so snapshots keep it.
 - `CarryingCompressor`: wraps a model's `Compressor` module (its weights, norm
   and rope are reused) and pools with the carried window in front. Over a
-  decode batch (`dsv4_batch.BatchCarryingPoolingCache`) each row keeps its
+  decode batch (`batch.BatchCarryingPoolingCache`) each row keeps its
   own carry, updated only when that row completes a window.
 """
 
@@ -73,7 +73,7 @@ class CarryingCompressor(nn.Module):
         self.inner = inner
 
     def __call__(self, x: mx.array, pool_cache: Any, offset: Any) -> mx.array:
-        if hasattr(pool_cache, "set_carry"):  # dsv4_batch.BatchCarryingPoolingCache
+        if hasattr(pool_cache, "set_carry"):  # batch.BatchCarryingPoolingCache
             return self._call_batch(x, pool_cache, offset)
         if not isinstance(pool_cache, CarryingPoolingCache):
             return self.inner(x, pool_cache, offset)

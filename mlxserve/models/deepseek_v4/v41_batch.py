@@ -9,7 +9,7 @@ nothing in that forward can be told so.
 
 `BatchableAttention` wraps each layer's `Attention` module (its weights,
 norms and rope are the model's own). With a plain `LayerCache` it calls the
-wrapped module unchanged; with a `BatchLayerCache` (`models/dsv41_cache.py`)
+wrapped module unchanged; with a `BatchLayerCache` (`models/deepseek_v4/v41_cache.py`)
 it decodes one token per row, each at its own position:
 
 - RoPE rotates each row by its own offset (`mx.fast.rope` takes a vector);
@@ -20,7 +20,7 @@ it decodes one token per row, each at its own position:
 
 The rest of the forward (embedding, hyper-connections, MoE, head) runs as
 mlx-lm's own code: it is position-independent. The attention math comes from
-`models/dsv41_math.py` (mlx-lm's own helpers, restated, RoPE with per-row
+`models/deepseek_v4/v41_math.py` (mlx-lm's own helpers, restated, RoPE with per-row
 offsets). `tests/test_dsv41_batch.py` holds greedy parity against single runs.
 
 One case cannot match a single run: with a candidate source whose blocks

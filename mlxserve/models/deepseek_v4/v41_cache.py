@@ -16,7 +16,7 @@ at its own position:
 `merge` turns per-request caches into a batch, `extend` / `filter` add and
 drop rows, `extract` gives one row back as a plain `LayerCache` that decodes
 on exactly as that request would have. The batched forward that reads and
-writes these fields is `models/dsv41_batch.py`.
+writes these fields is `models/deepseek_v4/v41_batch.py`.
 """
 
 from __future__ import annotations

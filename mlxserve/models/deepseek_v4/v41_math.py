@@ -2,7 +2,7 @@
 
 These are that module's private helpers (fake fp8/fp4 rounding, sparse
 attention over gathered rows) and its RoPE helper with a vector of per-row
-offsets. The batched decode (`models/dsv41_batch.py`) runs them so a batch
+offsets. The batched decode (`models/deepseek_v4/v41_batch.py`) runs them so a batch
 row computes what a single run does; we keep our own copy rather than import
 private names. `tests/test_dsv41_batch.py` checks each is bit-equal to
 mlx-lm's on random inputs, so a version bump that changes the math fails there.
