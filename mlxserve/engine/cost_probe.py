@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from mlxserve.cache.arrays import cache_arrays, cache_nbytes
 from mlxserve.engine.budget import SLOPE_PERIOD, CacheCost, fit_cost
-from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.loaded import LoadedModel, directory_signature
 
 # Lengths the probe fills a cache to: just past 256-token preallocation blocks and just
 # before power-of-two compression boundaries (a sliding window, if any, is added).
@@ -190,16 +190,12 @@ def checkpoint_key(model: LoadedModel, batchable: bool) -> tuple[Any, ...] | Non
     """What a model's cache cost depends on: its directory's files (name, size, mtime),
     its config, the classes that run it, its shard and its cache setting, and whether
     requests decode batched. None where the directory cannot be read (never reused)."""
-    try:
-        files = tuple(
-            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in model.path.iterdir())
-        )
-    except OSError:
+    signature = directory_signature(model.path)
+    if signature is None:
         return None
     module = getattr(model.model, "module", None)
     return (
-        str(model.path.resolve()),
-        files,
+        *signature,
         json.dumps(model.config, sort_keys=True, default=str),
         type(model.model).__qualname__,
         type(module).__qualname__,

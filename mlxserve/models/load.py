@@ -13,6 +13,7 @@ from mlxserve.models.loaded import LoadedModel, ModelLoadError
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.prompt_format import check_renderable, choose_encoder
 from mlxserve.models.tiny.scripted import is_scripted, load_checkpoint
+from mlxserve.models.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -155,13 +156,6 @@ def min_prefill_chunk(model_type: str) -> int:
 
         return int(DECODE_BLOCK_SIZE) + 1
     return 1
-
-
-def load_tokenizer(path: Path, eos_token_id: Any = None) -> Any:
-    """mlx-lm's TokenizerWrapper (HF tokenizer + streaming detokenizer)."""
-    from mlx_lm.tokenizer_utils import load as load_wrapper
-
-    return load_wrapper(Path(path), eos_token_ids=eos_token_id)
 
 
 def _vocab_size(tokenizer: Any, config: dict[str, Any]) -> int:

