@@ -353,7 +353,12 @@ def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None =
     # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
     assert health_status(server.url) in (503, None)
     assert server.proc is not None
-    server.proc.wait(timeout=EXIT_WITHIN_S)
+    try:
+        server.proc.wait(timeout=EXIT_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        alive = {rank: pid for rank, pid in pids.items() if not _gone(pid)}
+        log = server.log.read_text(errors="replace")[-3000:]
+        raise AssertionError(f"mlx.launch still running; ranks alive: {alive}\n{log}") from None
     assert all(_gone(pid) for pid in pids.values()), pids
     # mlx.launch names each rank that ended with a non-zero status (or a signal).
     log = server.log.read_text(errors="replace")

@@ -303,8 +303,11 @@ def serve_app(
     again, so it could never answer, and `mlx.launch` ends the launch when rank 0 does."""
     import uvicorn
 
+    # Distributed, open streams get a second to end at shutdown, not five: when a rank
+    # died, mlx.launch stops rank 0 and every rank must be gone within seconds.
+    graceful = 1 if distributed else 5
     config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful
     )
     server = uvicorn.Server(config)
 

@@ -51,6 +51,11 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.5
 # How long a stop waits for the disk tier's writes.
 DISK_CLOSE_TIMEOUT_S = 60.0
+# Rank 0 of a distributed server waits no longer than this for its engine thread at
+# shutdown: with a peer gone, a thread inside a collective never returns, and the
+# process leaves by os._exit whatever the thread does (the other ranks then see the
+# group fail and exit too).
+DISTRIBUTED_STOP_TIMEOUT_S = 2.0
 T = TypeVar("T")
 
 
@@ -163,6 +168,8 @@ class EngineCore:
         self._inbox.put(_Stop())
         if self.stalled:
             return  # its thread is stuck in a step: nothing to wait for
+        if self.publisher is not None:
+            timeout = min(timeout, DISTRIBUTED_STOP_TIMEOUT_S)
         if self._thread.is_alive():
             # At shutdown the disk tier writes what RAM holds that it does not.
             self._thread.join(timeout + (DISK_CLOSE_TIMEOUT_S if self.disk is not None else 0))
