@@ -403,6 +403,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default=192,
         help="tokens per request: a few seconds a side, so the ratios hold on a busy machine",
     )
+    p.add_argument(
+        "--rounds", type=int, default=5, help="rounds per family and concurrency (the median)"
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
 

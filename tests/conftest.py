@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +15,13 @@ from mlxserve.models.loaded import LoadedModel
 # Property tests draw the same examples on every run, so a red CI run reproduces.
 settings.register_profile("derandomized", derandomize=True)
 settings.load_profile("derandomized")
+
+# Every HTTP client the tests make (httpx, openai, anthropic) talks to loopback over
+# plain HTTP, yet httpx parses certifi's whole bundle for each client it builds (about
+# 20 ms of CPU each, thousands of times a run). An empty certificate folder makes that
+# free; it is inherited by the servers the tests start, and OpenSSL's default file still
+# verifies what a test's `pip download` fetches.
+os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-"))
 
 
 @pytest.fixture(scope="session")

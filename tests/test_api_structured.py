@@ -27,9 +27,11 @@ from mlxserve.models import load
 
 pytestmark = pytest.mark.slow
 
-SEEDS = int(os.environ.get("MLXSERVE_STRUCTURED_SEEDS", "3"))
+# A few seeds per family in the suite (each a handful of requests on every route); the
+# issues' seed counts run with the variable set.
+SEEDS = int(os.environ.get("MLXSERVE_STRUCTURED_SEEDS", "2"))
 # The long-string check writes ~150 tokens a request, twice a seed.
-LONG_SEEDS = int(os.environ.get("MLXSERVE_STRUCTURED_SEEDS", "2"))
+LONG_SEEDS = int(os.environ.get("MLXSERVE_STRUCTURED_SEEDS", "1"))
 FAMILIES = ("deepseek_v4", "deepseek_v41", "qwen3")
 WEATHER = {
     "type": "object",

@@ -80,7 +80,10 @@ def browser(served: Served) -> Iterator[Browser]:
 
 
 def text_of(browser: Browser, css: str) -> str:
-    return str(browser.driver.execute_script(f"return document.querySelector({css!r}).textContent"))
+    """The element's text, or "" while the page has not (re)drawn it: a poll may land between
+    the page clearing a list and filling it again."""
+    script = f"const found = document.querySelector({css!r}); return found ? found.textContent : ''"
+    return str(browser.driver.execute_script(script))
 
 
 def test_page_loads_with_model_and_health_and_no_console_errors(

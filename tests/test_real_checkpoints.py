@@ -6,14 +6,14 @@ quantized by `mlx_lm convert` (llama, qwen3, deepseek_v41) or `mlx_vlm
 convert` (deepseek_v4), re-sharded the way large conversions are, then loaded
 from disk by `mlxserve serve`'s own loader and served over HTTP to the real
 `openai` client. The converters expose no shard-size option, hence the
-re-sharding here.
+re-sharding here. The converters run in this process (their commands' own
+function): the README walkthrough test runs `mlx_lm convert` as a command.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,20 +22,24 @@ import openai
 import pytest
 from api_fixtures import ServerThread, serve_args
 
+from mlxserve.cli import main as cli_main
+
 pytestmark = pytest.mark.slow
 
-# family -> (converter module, extra flags, expected quantization)
-CONVERSIONS: dict[str, tuple[str, list[str], dict[str, object]]] = {
-    "llama": ("mlx_lm", [], {"bits": 4, "mode": "affine"}),
-    "qwen3": ("mlx_lm", ["--q-bits", "8"], {"bits": 8, "mode": "affine"}),
-    "deepseek_v41": ("mlx_lm", ["--q-mode", "mxfp4"], {"bits": 4, "mode": "mxfp4"}),
-    "deepseek_v4": ("mlx_vlm", [], {"bits": 4, "mode": "affine"}),
+# family -> (converter package, its `convert` options, expected quantization)
+CONVERSIONS: dict[str, tuple[str, dict[str, object], dict[str, object]]] = {
+    "llama": ("mlx_lm", {}, {"bits": 4, "mode": "affine"}),
+    "qwen3": ("mlx_lm", {"q_bits": 8}, {"bits": 8, "mode": "affine"}),
+    "deepseek_v41": ("mlx_lm", {"q_mode": "mxfp4"}, {"bits": 4, "mode": "mxfp4"}),
+    "deepseek_v4": ("mlx_vlm", {}, {"bits": 4, "mode": "affine"}),
 }
 
 
-def _run(*argv: str) -> None:
-    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+def _convert(package: str, hf: Path, mlx: Path, options: dict[str, object]) -> None:
+    """The converter's own `convert` (what its `convert` command calls), in this process:
+    the README's walkthrough runs the command itself."""
+    module = importlib.import_module(package)
+    module.convert(str(hf), str(mlx), quantize=True, **options)
 
 
 def shard(directory: Path, names: tuple[str, str]) -> None:
@@ -63,11 +67,11 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """family -> a quantized, sharded MLX conversion of its tiny checkpoint."""
     root = tmp_path_factory.mktemp("converted")
     out: dict[str, Path] = {}
-    for family, (converter, flags, _) in CONVERSIONS.items():
+    for family, (converter, options, _) in CONVERSIONS.items():
         hf, mlx = root / f"{family}-hf", root / f"{family}-mlx"
-        _run("-m", "mlxserve.cli", "make-model", str(hf), "--family", family)
+        assert cli_main(["make-model", str(hf), "--family", family]) == 0
         shard(hf, ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"))
-        _run("-m", converter, "convert", "--hf-path", str(hf), "--mlx-path", str(mlx), "-q", *flags)
+        _convert(converter, hf, mlx, options)
         shard(mlx, ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"))
         out[family] = mlx
     return out

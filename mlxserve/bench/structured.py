@@ -34,9 +34,8 @@ from mlxserve.models.load import load
 from mlxserve.models.tiny.synthetic import make_model
 
 FAMILIES = ("deepseek_v4", "qwen3")
-# Single rounds' ratios swing by 10-25% on a shared 2-core machine: five rounds give
-# a median that one slow round cannot move.
-ROUNDS = 5
+# Single rounds' ratios swing by 10-25% on a shared 2-core machine: five rounds (the
+# default of `--rounds`) give a median that one slow round cannot move.
 # The string may not close before this many characters, so a constrained request runs
 # to `max_tokens` as a free one does (random weights close a plain string at once).
 MIN_TEXT_CHARS = 4096
@@ -95,7 +94,7 @@ async def _round_ratio(
     return constrained_rate / free_rate
 
 
-async def _family(path: Path, tokens: int) -> dict[str, Any]:
+async def _family(path: Path, tokens: int, rounds: int) -> dict[str, Any]:
     engine = AsyncEngine(EngineConfig(prefix_cache=False, max_num_seqs=8), lambda: load(path))
     engine.start()
     await engine.wait_ready()
@@ -108,7 +107,7 @@ async def _family(path: Path, tokens: int) -> dict[str, Any]:
         for concurrency in (1, 8):
             ratios = [
                 await _round_ratio(engine, concurrency, free, constrained, constrained_first)
-                for constrained_first in [i % 2 == 1 for i in range(ROUNDS)]
+                for constrained_first in [i % 2 == 1 for i in range(rounds)]
             ]
             out[f"constrained_over_free_{concurrency}"] = statistics.median(ratios)
             out[f"rounds_{concurrency}"] = [round(r, 3) for r in ratios]
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for family in FAMILIES:
             path = make_model(Path(tmp) / family, family)
-            result = asyncio.run(_family(path, args.tokens))
+            result = asyncio.run(_family(path, args.tokens, args.rounds))
             for key, value in result.items():
                 figures[f"{family}_{key}"] = value
                 if key.startswith("constrained_over_free"):
@@ -149,5 +148,6 @@ def run(args: argparse.Namespace) -> int:
         figures.update(worst)
         figures["mask_ms_p99"] = _mask_ms_p99(Path(tmp) / FAMILIES[0])
     figures["tokens"] = args.tokens
+    figures["rounds"] = args.rounds
     emit("structured", figures, args.json)
     return 0
