@@ -11,6 +11,7 @@ is checked against mlx-lm's one-sequence `QuantizedKVCache` directly.
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -327,8 +328,11 @@ def test_a_group_size_that_does_not_divide_the_head_is_refused(model_dir_factory
         check_model_quantizable(path, load_config(path), KVQuant(8, 32))
 
 
-def test_window_layers_stay_full_precision_and_batch(tiny_dirs) -> None:
-    model = _quantized(tiny_dirs["llama_swa"])
+def test_window_layers_stay_full_precision_and_batch(tiny_dirs, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="mlxserve.models.quantized_cache"):
+        model = _quantized(tiny_dirs["llama_swa"])
+    # Not silently: the start says which layers stay in full precision.
+    assert "1 sliding-window layer(s) stay in full precision" in caplog.text
     batch = DecodeBatch()
     batch.add("a", _filled(model, _ids(30, 12)))
     assert [type(c) for c in batch.cache] == [BatchRotatingKVCache, BatchQuantizedKVCache]
