@@ -22,9 +22,17 @@ DEFAULT_GROUP_SIZE = 64
 DEFAULT_QUANTIZE_AFTER = 0
 
 
+# The widths whose keys are quantized per channel, in groups of `group_size`
+# positions (`models/channel_cache.py`); the others per position, as mlx-lm does.
+PER_CHANNEL_KEY_BITS = (4,)
+
+
 @dataclass(frozen=True)
 class KVQuant:
-    """Keys and values stored as `bits`-bit affine codes, one scale and bias per group."""
+    """Keys and values stored as `bits`-bit affine codes, one scale and bias per group
+    of `group_size` numbers: at 8 bits the channels of one position (mlx-lm's
+    `QuantizedKVCache`); at 4 bits, for keys, the positions of one channel, and
+    for values the channels of one position after a Hadamard rotation."""
 
     bits: int
     group_size: int = DEFAULT_GROUP_SIZE
@@ -45,17 +53,28 @@ class KVQuant:
         if self.quantize_after < 0:
             raise ValueError(f"--kv-quantize-after must be >= 0, not {self.quantize_after}")
 
+    @property
+    def per_channel_keys(self) -> bool:
+        return self.bits in PER_CHANNEL_KEY_BITS
+
     def described(self) -> dict[str, Any]:
-        """What a stored cache entry depends on (the disk tier's model signature)."""
+        """What a stored cache entry depends on (the disk tier's model signature).
+
+        The layout is named, so entries of a layout an older version wrote (4-bit
+        keys per position) never restore into this one."""
         return {
             "bits": self.bits,
             "group_size": self.group_size,
             "quantize_after": self.quantize_after,
+            "layout": "keys per channel, values rotated"
+            if self.per_channel_keys
+            else "per position",
         }
 
     def __str__(self) -> str:
         after = f", after {self.quantize_after} tokens" if self.quantize_after else ""
-        return f"{self.bits}-bit, group {self.group_size}{after}"
+        keys = ", keys per channel" if self.per_channel_keys else ""
+        return f"{self.bits}-bit, group {self.group_size}{keys}{after}"
 
 
 def kv_quant_of(bits: int | None, group_size: int, quantize_after: int) -> KVQuant | None:

@@ -1,9 +1,11 @@
 """The exact versions of mlx, mlx-lm and mlx-vlm that mlxserve was written and tested against.
 
 mlxserve wraps a few of their internals (cache classes taken apart and built
-back, DeepSeek-V4's compressor), so another version may change what those
-wrappers rely on. pyproject.toml pins these; `mlxserve serve` checks them at
-start and refuses to run with others (a clear error, not a wrong token).
+back, DeepSeek-V4's compressor, mlx-lm's
+`models.base.quantized_scaled_dot_product_attention` for the 4-bit KV cache), so
+another version may change what those wrappers rely on. pyproject.toml pins
+these; `mlxserve serve` checks them at start and refuses to run with others (a
+clear error, not a wrong token).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ from mlxserve.cache import copy_cache
 from mlxserve.cache.codec import Restore, encode
 from mlxserve.cache.disk_file import CorruptEntry, read_entry, read_manifest, write_entry
 from mlxserve.cache.layers import layout_trimmable
+from mlxserve.models.channel_cache import ChannelQuantizedKVCache
 
 SIGNATURE = "ab" * 32
 
@@ -88,8 +89,9 @@ def test_plain_kv_round_trips_and_is_trimmable(tmp_path: Path) -> None:
         lambda: [vlm_cache.QuantizedKVCache(group_size=32, bits=8) for _ in range(2)],
         lambda: [vlm_cache.RotatingKVCache(max_size=8) for _ in range(2)],
         lambda: [lm_cache.KVCache(), lm_cache.RotatingKVCache(max_size=8)],
+        lambda: [ChannelQuantizedKVCache(group_size=32, bits=4) for _ in range(2)],
     ],
-    ids=["lm-quant", "lm-rot8", "lm-rot64", "vlm-kv", "vlm-quant", "vlm-rot8", "mixed"],
+    ids=["lm-quant", "lm-rot8", "lm-rot64", "vlm-kv", "vlm-quant", "vlm-rot8", "mixed", "4-bit"],
 )
 def test_llama_cache_types_round_trip(tmp_path: Path, make: Callable[[], list[Any]]) -> None:
     _check(tmp_path, llama_forward, make, MID_DECODE)

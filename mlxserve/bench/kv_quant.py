@@ -11,7 +11,7 @@ and head size 64 (the default group size), each figure compares the 8-bit
   by the scheduler's own arithmetic (`KVBudget.total`, as `_fits` uses it).
 - `peak_bytes_ratio_8`: the allocator's peak above what was held before, over
   one `--long-tokens` request through the engine (chunked prefill, then decode).
-- `decode_tok_s_ratio_8`: decode steps per second of a batch of four over
+- `decode_tok_s_ratio_8` / `_4`: decode steps per second of a batch of four over
   quantized caches against full-precision ones (the CPU figure; Metal's differs).
 
 On a trained model (SmolLM2-135M-Instruct, from its GGUF; `--quality-tokens
@@ -19,7 +19,10 @@ On a trained model (SmolLM2-135M-Instruct, from its GGUF; `--quality-tokens
 a full-precision cache and through 8- and 4-bit ones: `top1_agreement_8` /
 `_4` (share of positions with the same greedy choice) and `mean_kl_8` / `_4`
 (mean KL divergence from the full-precision distribution, nats per position),
-all in groups of 64 (the default), and `_4_g32` in groups of 32.
+all in groups of 64 (the default), and `_4_g32` in groups of 32. The 4-bit
+cache quantizes keys per channel (`models/channel_cache.py`); `_4_per_position`
+is mlx-lm's own 4-bit layout (each position's keys on their own, groups of 64),
+which that replaced, for comparison.
 """
 
 from __future__ import annotations
@@ -31,18 +34,21 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from mlxserve.bench.report import emit
+from mlxserve.cache.arrays import cache_arrays
 from mlxserve.config import EngineConfig
 from mlxserve.engine.budget import CacheCost
 from mlxserve.engine.cost_probe import probe_cost
 from mlxserve.engine.decode_batch import DecodeBatch
 from mlxserve.engine.request import SamplingParams
-from mlxserve.kv_quant import KVQuant
+from mlxserve.kv_quant import DEFAULT_GROUP_SIZE, KVQuant
 from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.quantized_cache import apply_kv_quant
@@ -154,20 +160,21 @@ def _decode_rate(model: LoadedModel, prompts: list[list[int]], steps: int) -> fl
 def decode_figures(model: LoadedModel, context: int, steps: int, rounds: int = 3) -> dict[str, Any]:
     """Batch of four at `context` tokens; rounds alternate which side runs first."""
     prompts = [[(i * 131 + r * 977 + 11) % 100_000 + 100 for i in range(context)] for r in range(4)]
-    full_model, eight_model = model, apply_kv_quant(model, MODES["8"])
-    ratios: list[float] = []
-    rates: dict[str, list[float]] = {"full": [], "8": []}
+    models = {name: apply_kv_quant(model, spec) for name, spec in MODES.items()}
+    ratios: dict[str, list[float]] = {"8": [], "4": []}
+    rates: dict[str, list[float]] = {name: [] for name in models}
     for r in range(rounds):
-        order = [("full", full_model), ("8", eight_model)]
+        order = list(models.items())
         for name, m in order if r % 2 == 0 else order[::-1]:
             rates[name].append(_decode_rate(m, prompts, steps))
-        ratios.append(rates["8"][-1] / rates["full"][-1])
-    return {
-        "decode_context_tokens": context,
-        "decode_tok_s_full": 4 * statistics.median(rates["full"]),
-        "decode_tok_s_8": 4 * statistics.median(rates["8"]),
-        "decode_tok_s_ratio_8": statistics.median(ratios),
-    }
+        for name, ratio in ratios.items():
+            ratio.append(rates[name][-1] / rates["full"][-1])
+    figures: dict[str, Any] = {"decode_context_tokens": context}
+    for name, rate in rates.items():
+        figures[f"decode_tok_s_{name}"] = 4 * statistics.median(rate)
+    for name, ratio in ratios.items():
+        figures[f"decode_tok_s_ratio_{name}"] = statistics.median(ratio)
+    return figures
 
 
 def _number(scalar: mx.array) -> float:
@@ -194,7 +201,7 @@ def _teacher_forced(
         for name, lp in logprobs.items():
             agree[name] += _number(mx.sum(mx.argmax(lp, axis=-1) == best))
             kl[name] += _number(mx.sum(mx.exp(reference) * (reference - lp)))
-        mx.eval([c.keys for layers in caches.values() for c in layers])
+        mx.eval(cache_arrays([c for layers in caches.values() for c in layers]))
     return {name: (agree[name] / positions, kl[name] / positions) for name in agree}
 
 
@@ -206,12 +213,25 @@ def quality_figures(model_dir: Path, count: int) -> dict[str, Any]:
     if len(tokens) < count + 1:
         raise ValueError(f"the text has {len(tokens)} tokens, fewer than {count + 1}")
     models = {name: apply_kv_quant(model, spec) for name, spec in QUALITY_MODES.items()}
+    models["4_per_position"] = _per_position(model, bits=4, group_size=DEFAULT_GROUP_SIZE)
     measured = _teacher_forced(models, tokens, QUALITY_CHUNK)
     figures: dict[str, Any] = {"quality_model": model_dir.name, "quality_tokens": count}
     for name, (agreement, divergence) in measured.items():
         figures[f"top1_agreement_{name}"] = agreement
         figures[f"mean_kl_{name}"] = divergence
     return figures
+
+
+def _per_position(model: LoadedModel, bits: int, group_size: int) -> LoadedModel:
+    """`model` over mlx-lm's own quantized cache (keys quantized per position)."""
+
+    def make_cache() -> list[Any]:
+        return [
+            c.to_quantized(group_size=group_size, bits=bits) if type(c) is KVCache else c
+            for c in model.make_cache()
+        ]
+
+    return replace(model, make_cache=make_cache)
 
 
 def _smollm2_dir() -> Path:

@@ -39,7 +39,7 @@ from mlxserve.cache.disk_file import (
     read_manifest,
     write_entry,
 )
-from mlxserve.cache.layers import layout_trimmable
+from mlxserve.cache.layers import layout_trim_step, layout_trimmable
 from mlxserve.cache.trie import Node, Trie, pack
 
 __all__ = ["DiskEntry", "DiskLoad", "DiskTier", "DiskTierStats"]
@@ -57,6 +57,7 @@ class DiskEntry:
     nbytes: int = 0
     committed: bool = False
     trimmable: bool = False  # plain KV: a longer entry can be cut back to a shared prefix
+    trim_step: int = 1  # ... to a multiple of this many tokens (`layers.layout_trim_step`)
 
 
 @dataclass(frozen=True)
@@ -201,6 +202,7 @@ class DiskTier:
                     manifest.file_bytes,
                     committed=True,
                     trimmable=layout_trimmable(manifest.layout),
+                    trim_step=layout_trim_step(manifest.layout),
                 )
                 node.entry = entry
                 self._lru[node] = entry
@@ -381,9 +383,10 @@ class DiskTier:
                 self._counters.backlog -= 1
                 self._counters.backlog_bytes -= job.nbytes
                 self._done.append(job.number)
-        self._delete(self._commit(staged, size, layout_trimmable(job.layout)))
+        trimming = layout_trimmable(job.layout), layout_trim_step(job.layout)
+        self._delete(self._commit(staged, size, trimming))
 
-    def _commit(self, staged: _Staged, size: int, trimmable: bool) -> list[str]:
+    def _commit(self, staged: _Staged, size: int, trimming: tuple[bool, int]) -> list[str]:
         """Index a written entry; returns the files it replaced or evicted."""
         node, entry = staged.node, staged.entry
         with self._lock:
@@ -392,7 +395,7 @@ class DiskTier:
             if node.entry is not entry:
                 return [entry.name]  # forgotten meanwhile (cannot happen today): no orphan
             entry.committed, entry.nbytes = True, size
-            entry.trimmable = trimmable
+            entry.trimmable, entry.trim_step = trimming
             self._lru[node] = entry
             self._bytes += size
             victims = []

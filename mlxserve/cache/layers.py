@@ -71,6 +71,8 @@ class Kind:
     build: Callable[[LayerParts], Any]
     offset: Callable[[Any], int | None]
     trimmable: Callable[[Any], bool]
+    # Trimmed only back to a multiple of this many positions (a prefix-cache entry).
+    trim_step: Callable[[Any], int] = lambda _: 1
 
 
 def _never(_: Any) -> bool:
@@ -169,6 +171,45 @@ def _vlm_quant_build(p: LayerParts) -> vlm_cache.QuantizedKVCache:
     if "pieces" in m:
         new.state = (_quant_pieces(p, "keys"), _quant_pieces(p, "values"))
         new.meta_state = tuple(str(m[k]) for k in ("offset", "group_size", "bits"))
+    return new
+
+
+# --- ChannelQuantizedKVCache (4-bit: keys per channel) ---------------------------
+
+
+def _channel_parts(c: Any) -> LayerParts:
+    """The codes of its complete groups and the full-precision window it holds.
+
+    Only groups below the current one are whole (a cut-back may have reopened
+    one: its stale codes are dropped). The layout's tag and group size are
+    what a restore needs to read the codes back the same way."""
+    offset, held, g = int(c.offset), int(c.window_start[0]), int(c.group_size)
+    meta = {"offset": offset, "window_start": held, "group_size": g, "bits": int(c.bits)}
+    if c.window_keys is None:
+        return LayerParts("mlxserve.ChannelQuantizedKVCache", meta)
+    arrays: dict[str, mx.array | None] = {
+        "window_keys": c.window_keys[:, :, : offset - held] if offset > held else None,
+        "window_values": c.window_values[:, :, : offset - held] if offset > held else None,
+    }
+    sealed = offset // g * g
+    per_word = 32 // int(c.bits)
+    for i, per in enumerate((per_word, g, g)):
+        arrays[f"keys.{i}"] = c.keys[i][..., : sealed // per] if sealed else None
+        arrays[f"values.{i}"] = c.values[i][:, :, :sealed] if sealed else None
+    meta["window_heads"] = int(c.window_keys.shape[1])
+    meta["key_dim"], meta["value_dim"] = int(c.window_keys.shape[3]), int(c.window_values.shape[3])
+    return LayerParts("mlxserve.ChannelQuantizedKVCache", meta, arrays)
+
+
+def _channel_build(p: LayerParts) -> Any:
+    from mlxserve.models.channel_cache import ChannelQuantizedKVCache
+
+    m = p.meta
+    new = ChannelQuantizedKVCache(group_size=m["group_size"], bits=m["bits"])
+    new.lengths, new.window_start = [m["offset"]], [m["window_start"]]
+    if "window_heads" not in m:
+        return new
+    new.restore(p.arrays, m["window_heads"], (m["key_dim"], m["value_dim"]))
     return new
 
 
@@ -342,6 +383,12 @@ def _cache_list_kind(cls: type, tag: str) -> Kind:
     return Kind(tag, parts, build, offset, trimmable)
 
 
+def _channel_kind() -> type:
+    from mlxserve.models.channel_cache import ChannelQuantizedKVCache
+
+    return ChannelQuantizedKVCache
+
+
 @functools.cache
 def _registry() -> dict[type, Kind]:
     from mlxserve.models.deepseek_v4.overlap import CarryingPoolingCache
@@ -367,6 +414,16 @@ def _registry() -> dict[type, Kind]:
             functools.partial(_quant_parts, "mlx_vlm.QuantizedKVCache"),
             _vlm_quant_build,
             _always,
+        ),
+        # Cut back exactly to a group boundary (or within its window, `trim`): a
+        # prefix-cache entry is trimmed back to a multiple of its group size.
+        _channel_kind(): Kind(
+            "mlxserve.ChannelQuantizedKVCache",
+            _channel_parts,
+            _channel_build,
+            _attr_offset,
+            _always,
+            lambda c: int(c.group_size),
         ),
         # mlx-lm calls a rotating cache trimmable until it first fills; we never
         # do, so a window cache never gets a `prompt + output` entry.
@@ -410,7 +467,13 @@ def _by_tag() -> dict[str, Kind]:
 
 
 _TRIMMABLE_TAGS = frozenset(
-    {"mlx_lm.KVCache", "mlx_vlm.KVCache", "mlx_lm.QuantizedKVCache", "mlx_vlm.QuantizedKVCache"}
+    {
+        "mlx_lm.KVCache",
+        "mlx_vlm.KVCache",
+        "mlx_lm.QuantizedKVCache",
+        "mlx_vlm.QuantizedKVCache",
+        "mlxserve.ChannelQuantizedKVCache",
+    }
 )
 
 
@@ -424,6 +487,19 @@ def layout_trimmable(layout: list[dict[str, Any]]) -> bool:
         return node.get("tag") in _TRIMMABLE_TAGS
 
     return bool(layout) and all(trimmable(node) for node in layout)
+
+
+def layout_trim_step(layout: list[dict[str, Any]]) -> int:
+    """`snapshot.trim_step` for a stored layout: the group size of keys quantized per
+    channel (trimmed back only to its multiples), else 1."""
+    steps = [1]
+    pending = list(layout)
+    while pending:
+        node = pending.pop()
+        pending.extend(node.get("children") or [])
+        if node.get("tag") == "mlxserve.ChannelQuantizedKVCache":
+            steps.append(int((node.get("meta") or {}).get("group_size", 1)))
+    return max(steps)
 
 
 def kind_of(cache: Any) -> Kind:

@@ -36,6 +36,7 @@ from mlxserve.cache.snapshot import (
     share_cache,
     tracked_offset,
     trim_cache,
+    trim_step,
 )
 from mlxserve.cache.trie import TOKEN_BYTES, Node, Trie, pack, unpack
 
@@ -90,6 +91,7 @@ class _Entry:
     nbytes: int
     key_len: int
     trimmable: bool = False
+    trim_step: int = 1  # trimmed back only to multiples of this (`snapshot.trim_step`)
     dirty: bool = False  # grown past its last disk write by less than `disk_every`
     entry_id: int = 0
 
@@ -218,13 +220,13 @@ class PrefixCache:
         leaves the cache unchanged; with a disk tier it goes to disk, as if
         evicted at once.
         """
-        size, trimmable = self._measure(key_ids, snapshot, nbytes)
+        size, trimmable, step = self._measure(key_ids, snapshot, nbytes)
         key = pack(key_ids)
         entry: _Entry | None = None
         writes: list[_Write] = []
         with self._lock:
             if key and size <= self.max_bytes and self.max_entries > 0:
-                node, entry = self._store(key, snapshot, size, trimmable)
+                node, entry = self._store(key, snapshot, size, trimmable, step)
             else:
                 self._rejected += 1
             # Shorter entries of this key that RAM holds (before evicting for room):
@@ -246,8 +248,9 @@ class PrefixCache:
 
     def _measure(
         self, key_ids: Sequence[int], snapshot: list[Any], nbytes: int | None
-    ) -> tuple[int, bool]:
-        """A snapshot's bytes and whether it can be trimmed (checked against its key)."""
+    ) -> tuple[int, bool, int]:
+        """A snapshot's bytes, whether it can be trimmed and to multiples of what
+        (`snapshot.trim_step`), checked against its key."""
         if self._offset is not None:
             held = self._offset(snapshot)
             if held is not None and held != len(key_ids):
@@ -257,12 +260,13 @@ class PrefixCache:
             raise ValueError("nbytes must be >= 0")
         try:
             trimmable = self._trimmable(snapshot)
+            step = trim_step(snapshot) if trimmable else 1
         except UnsupportedCacheError:  # opaque snapshots (tests) are never trimmed
-            trimmable = False
-        return size, trimmable
+            trimmable, step = False, 1
+        return size, trimmable, step
 
     def _store(
-        self, key: bytes, snapshot: list[Any], size: int, trimmable: bool
+        self, key: bytes, snapshot: list[Any], size: int, trimmable: bool, step: int
     ) -> tuple[Node, _Entry]:
         """Put a new entry at `key` (under the lock): it replaces an entry with the
         same key and supersedes those on its strict prefixes, except branch points
@@ -280,7 +284,9 @@ class PrefixCache:
             self._drop(old)
             self._superseded += 1
         self._next_id += 1
-        entry = _Entry(snapshot, size, len(key) // TOKEN_BYTES, trimmable, entry_id=self._next_id)
+        entry = _Entry(
+            snapshot, size, len(key) // TOKEN_BYTES, trimmable, step, entry_id=self._next_id
+        )
         node.entry = entry
         if self.observer is not None:
             self.observer.stored(entry.entry_id, key)

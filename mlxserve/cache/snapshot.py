@@ -40,6 +40,7 @@ __all__ = [
     "is_trimmable",
     "tracked_offset",
     "trim_cache",
+    "trim_step",
 ]
 
 
@@ -108,6 +109,12 @@ def is_trimmable(caches: Sequence[Any]) -> bool:
     window, pooled, recurrent and DeepSeek-V4.1 layer caches cannot.
     """
     return len(caches) > 0 and all(kind_of(c).trimmable(c) for c in caches)
+
+
+def trim_step(caches: Sequence[Any]) -> int:
+    """A trimmable cache is trimmed back exactly only to a multiple of this many tokens:
+    1, or the group size of keys quantized per channel (`models/channel_cache.py`)."""
+    return max((kind_of(c).trim_step(c) for c in caches), default=1)
 
 
 def trim_cache(caches: Sequence[Any], n: int) -> int:

@@ -120,19 +120,22 @@ class Trie:
         Normally the longest entry whose key is a strict prefix. A trimmable
         entry (its `trimmable` attribute) that shares more of `key` than that,
         e.g. a `prompt + output` entry whose reply was re-rendered differently,
-        reuses the shared part instead (trimmed back to it). Entries need
-        `key_len` and `trimmable`; `accept` filters them.
+        reuses the shared part instead (trimmed back to it, rounded down to a
+        multiple of its `trim_step` where it has one). Entries need `key_len`
+        and `trimmable`; `accept` filters them.
         """
         node = self.longest_strict_prefix(key, accept)
         best = 0 if node is None else node.entry.key_len
         tokens = len(key) // TOKEN_BYTES
         usable = min(self.shared_bytes(key) // TOKEN_BYTES, tokens - 1)
         if usable > best:
-            node = self.trimmable_node_below(key[: usable * TOKEN_BYTES], accept) or node
+            below = self.trimmable_node_below(key[: usable * TOKEN_BYTES], accept)
+            if below is not None and _trimmed_reuse(below.entry, usable) > best:
+                node = below
         if node is None:
             return None, 0
         entry = node.entry
-        return node, min(usable, entry.key_len) if entry.trimmable else entry.key_len
+        return node, _trimmed_reuse(entry, usable) if entry.trimmable else entry.key_len
 
     def trimmable_node_below(
         self, key: bytes, accept: Callable[[Any], bool] | None = None
@@ -204,3 +207,11 @@ class Trie:
                 only.parent = parent
                 parent.children[head] = only
             break
+
+
+def _trimmed_reuse(entry: Any, usable: int) -> int:
+    """Tokens a trimmable entry gives a key sharing `usable` tokens with it."""
+    if entry.key_len <= usable:
+        return int(entry.key_len)
+    step = int(getattr(entry, "trim_step", 1))
+    return usable // step * step

@@ -132,7 +132,7 @@ WrittenKV = list[tuple[mx.array, mx.array] | None]
 def written_kv(cache: list[Any]) -> WrittenKV | None:
     """What one real forward wrote into each layer, if every layer is a plain,
     sliding-window or quantized KV cache (mlx-lm's `KVCache`, `RotatingKVCache`,
-    `QuantizedKVCache`); else None.
+    `QuantizedKVCache`, our `ChannelQuantizedKVCache`); else None.
 
     Those caches' bytes follow from their class (growth step, window) and the
     shape and dtype of what the model writes: its keys and values per token.
@@ -141,12 +141,22 @@ def written_kv(cache: list[Any]) -> WrittenKV | None:
     """
     from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-    if not cache or any(type(c) not in (KVCache, RotatingKVCache, QuantizedKVCache) for c in cache):
+    from mlxserve.models.channel_cache import ChannelQuantizedKVCache
+
+    known = (KVCache, RotatingKVCache, QuantizedKVCache, ChannelQuantizedKVCache)
+    if not cache or any(type(c) not in known for c in cache):
         return None
-    return [
-        None if c.keys is None else (_one_position(c.keys, c), _one_position(c.values, c))
-        for c in cache
-    ]
+    return [_written_position(c) for c in cache]
+
+
+def _written_position(cache: Any) -> tuple[mx.array, mx.array] | None:
+    if (
+        getattr(cache, "window_keys", None) is not None
+    ):  # per-channel keys: its window is full precision
+        return cache.window_keys[..., :1, :], cache.window_values[..., :1, :]
+    if cache.keys is None:
+        return None
+    return _one_position(cache.keys, cache), _one_position(cache.values, cache)
 
 
 def _one_position(written: Any, cache: Any) -> mx.array:

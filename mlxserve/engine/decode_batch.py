@@ -25,6 +25,7 @@ from mlx_lm.models.cache import (
 
 from mlxserve.cache.arrays import cache_arrays
 from mlxserve.engine.sampling import PendingLogits, PendingSample
+from mlxserve.models.channel_cache import BatchChannelQuantizedKVCache, ChannelQuantizedKVCache
 from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
 # mlx-lm cache classes with a batched form (mlx-lm's own, or ours for quantized KV).
@@ -32,6 +33,7 @@ _LM_BATCHED: dict[type, Any] = {
     KVCache: BatchKVCache,
     RotatingKVCache: BatchRotatingKVCache,
     QuantizedKVCache: BatchQuantizedKVCache,
+    ChannelQuantizedKVCache: BatchChannelQuantizedKVCache,
 }
 
 

@@ -25,16 +25,19 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache, QuantizedKVCache
 
 from mlxserve.engine.plan import PrefillChunk
+from mlxserve.models.channel_cache import BatchChannelQuantizedKVCache, ChannelQuantizedKVCache
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.quantized_batch import BatchQuantizedKVCache, share_mask
 
 # Fresh per-request cache classes whose batched form a group prefills over.
-GROUPABLE = (KVCache, QuantizedKVCache)
+GROUPABLE = (KVCache, QuantizedKVCache, ChannelQuantizedKVCache)
 
 
 def _batched(fresh: Any, pads: list[int]) -> Any:
     if type(fresh) is QuantizedKVCache:
         return BatchQuantizedKVCache(pads, group_size=fresh.group_size, bits=fresh.bits)
+    if type(fresh) is ChannelQuantizedKVCache:
+        return BatchChannelQuantizedKVCache.padded(pads, fresh.group_size, fresh.bits)
     return BatchKVCache(pads)
 
 

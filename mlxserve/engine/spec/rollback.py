@@ -25,11 +25,21 @@ from mlx_lm.models.deepseek_v41 import LayerCache
 from mlx_vlm.models.cache import PoolingCache, RotatingKVCache
 from mlx_vlm.speculative.cache_state import iter_leaf_caches, start_speculative_cache
 
+from mlxserve.models.channel_cache import BatchChannelQuantizedKVCache, ChannelQuantizedKVCache
 from mlxserve.models.deepseek_v4.v41_cache import BatchLayerCache
 from mlxserve.models.quantized_batch import BatchQuantizedKVCache
 
-# Plain KV caches (full precision or quantized), alone or batched: trimmed.
-_TRIMMED = (KVCache, QuantizedKVCache, BatchKVCache, BatchQuantizedKVCache)
+# Plain KV caches (full precision or quantized), alone or batched: trimmed. (Keys quantized
+# per channel are cut back exactly by up to `group_size` positions, more than any verify
+# feeds: `config.MAX_DRAFT_TOKENS` is 16 and group sizes start at 32.)
+_TRIMMED = (
+    KVCache,
+    QuantizedKVCache,
+    BatchKVCache,
+    BatchQuantizedKVCache,
+    ChannelQuantizedKVCache,
+    BatchChannelQuantizedKVCache,
+)
 
 # Per-request cache types whose batched forms a transaction can cut back.
 _TRANSACTED = (RotatingKVCache, PoolingCache)
