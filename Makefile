@@ -7,16 +7,17 @@ PORT ?= 8000
 
 .PHONY: serve test install install-dev lint clean e2e-clients browser screenshot
 
+# uv installs the same packages as pip from the same index, in a fifth of the time.
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet uv
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e .
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/uv pip install --quiet --python $(BIN)/python -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

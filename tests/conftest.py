@@ -24,6 +24,13 @@ settings.load_profile("derandomized")
 os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-"))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `mlx.launch` tests first (their one module is the longest to run): a test
+    worker starts them at once while the others share out the rest, instead of one
+    worker starting them last and running on alone."""
+    items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
+
+
 @pytest.fixture(scope="session")
 def model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """`factory(family, seed=0, layers=None, hidden=None)` -> checkpoint dir (cached)."""

@@ -19,8 +19,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -302,53 +303,65 @@ def _open_two_streams(server: LaunchedServer) -> tuple[list[threading.Thread], l
     return threads, outcomes
 
 
-def kill_rank_and_watch_exit(server: LaunchedServer, victim: int) -> None:
-    """Kill rank `victim` while two streams are open: every rank and mlx.launch
-    are gone within `EXIT_WITHIN_S` of the kill (a deadline, checked by polling
-    the processes), and both streams failed."""
+@contextmanager
+def saturated_cores(count: int = 2) -> Iterator[None]:
+    """`count` busy loops (one per core of this machine) for the block's duration."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        yield
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait(timeout=30)
+
+
+def kill_rank_under_load(server: LaunchedServer, victim: int) -> None:
+    """With every core saturated and two streams open, kill rank `victim`: every rank
+    and mlx.launch are gone within `EXIT_WITHIN_S` of the kill (a deadline, checked by
+    polling the processes), and both streams failed. Rank 0 must not wait out a
+    collective, uvicorn's graceful shutdown or its engine thread's join when its peer
+    is gone; a follower must not wait for a plan that never comes."""
     pids = server.rank_pids()
     assert set(pids) == {0, 1}, pids
-    threads, outcomes = _open_two_streams(server)
-    killed_at = time.monotonic()
-    os.kill(pids[victim], signal.SIGKILL)
-    deadline = killed_at + EXIT_WITHIN_S
-    assert server.proc is not None
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None and all(_gone(pid) for pid in pids.values()):
-            break
-        time.sleep(0.05)
+    with saturated_cores():
+        threads, outcomes = _open_two_streams(server)
+        killed_at = time.monotonic()
+        os.kill(pids[victim], signal.SIGKILL)
+        deadline = killed_at + EXIT_WITHIN_S
+        assert server.proc is not None
+        while time.monotonic() < deadline:
+            if server.proc.poll() is not None and all(_gone(pid) for pid in pids.values()):
+                break
+            time.sleep(0.05)
     alive = {rank: pid for rank, pid in pids.items() if not _gone(pid)}
     launcher_alive = server.proc.poll() is None
-    log = server.log.read_text(errors="replace")[-3000:]
+    log = server.log.read_text(errors="replace")
     assert not alive and not launcher_alive, (
         f"{EXIT_WITHIN_S} s after rank {victim} died: ranks alive {alive}, "
-        f"mlx.launch alive: {launcher_alive}\n{log}"
+        f"mlx.launch alive: {launcher_alive}\n{log[-3000:]}"
     )
     for thread in threads:
         thread.join(EXIT_WITHIN_S)
     assert outcomes == ["failed", "failed"]
+    # mlx.launch names each rank that ended with a non-zero status (or a signal): rank 0
+    # is killed itself or leaves non-zero when its peer is gone.
+    assert "Node with rank 0 exited with code" in log or "rank 0 was killed" in log, log[-2000:]
 
 
-def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None = None) -> None:
-    """Kill rank 1 while two streams are open: both fail, `/health` is not ok any more,
-    and every rank exits within `EXIT_WITHIN_S`.
-
-    With `stall_after_s` (the server's --step-timeout), rank 1 is stopped (SIGSTOP)
-    instead: a rank that stops answering. Rank 0's step watchdog declares the engine
-    dead after that long; then rank 1 is killed, as a supervisor would."""
+def stall_a_rank_mid_stream(server: LaunchedServer, step_timeout_s: float) -> None:
+    """Stop rank 1 (SIGSTOP) while two streams are open: a rank that stops answering.
+    Rank 0's step watchdog declares the engine dead after `step_timeout_s` (the
+    server's --step-timeout); both streams fail, `/health` is not ok any more, and
+    once rank 1 is killed, as a supervisor would, every rank exits within
+    `EXIT_WITHIN_S`."""
     pids = server.rank_pids()
     assert set(pids) == {0, 1}, pids
     threads, outcomes = _open_two_streams(server)
-    if stall_after_s is None:
-        os.kill(pids[1], signal.SIGKILL)
-        for thread in threads:
-            thread.join(EXIT_WITHIN_S)
-    else:
-        os.kill(pids[1], signal.SIGSTOP)
-        for thread in threads:
-            thread.join(stall_after_s + EXIT_WITHIN_S)
-        # A stopped process takes no SIGTERM from mlx.launch: the supervisor kills it.
-        os.kill(pids[1], signal.SIGKILL)
+    os.kill(pids[1], signal.SIGSTOP)
+    for thread in threads:
+        thread.join(step_timeout_s + EXIT_WITHIN_S)
+    # A stopped process takes no SIGTERM from mlx.launch: the supervisor kills it.
+    os.kill(pids[1], signal.SIGKILL)
     assert outcomes == ["failed", "failed"]
     # Rank 0 reports the death (503) until mlx.launch or --exit-on-engine-failure ends it.
     assert health_status(server.url) in (503, None)
@@ -360,6 +373,5 @@ def kill_a_rank_mid_stream(server: LaunchedServer, stall_after_s: float | None =
         log = server.log.read_text(errors="replace")[-3000:]
         raise AssertionError(f"mlx.launch still running; ranks alive: {alive}\n{log}") from None
     assert all(_gone(pid) for pid in pids.values()), pids
-    # mlx.launch names each rank that ended with a non-zero status (or a signal).
     log = server.log.read_text(errors="replace")
     assert "Node with rank 0 exited with code" in log or "rank 0 was killed" in log, log[-2000:]

@@ -140,30 +140,6 @@ def test_bench_soak_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
         assert figures[key] > 0
 
 
-@pytest.mark.distributed
-def test_bench_distributed_reports_its_keys(tmp_path: Path, capsys) -> None:
-    from dist_helpers import launch_available
-
-    if not launch_available():
-        pytest.skip("mlx.launch is not installed")
-    out = tmp_path / "distributed.json"
-    args = ["bench", "distributed", "--requests", "2", "--max-tokens", "4", "--layers", "2"]
-    assert cli_main([*args, "--json", str(out)]) == 0
-    printed = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
-    keys = (
-        "tp2_token_agreement",
-        "pp2_token_agreement",
-        "weight_bytes_per_rank_over_single",
-        "broadcast_ms_per_step",
-        "step_overhead_ratio",
-    )
-    for key in keys:
-        assert key in printed
-    figures = json.loads(out.read_text())["figures"]
-    assert figures["tp2_token_agreement"] == 1.0 and figures["pp2_token_agreement"] == 1.0
-    assert figures["weight_bytes_per_rank_over_single"] <= 0.6
-
-
 def test_bench_status_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
     """Two streams and two rounds here; the acceptance run uses 64 streams."""
     out = tmp_path / "status.json"

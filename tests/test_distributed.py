@@ -8,15 +8,23 @@ parallel sums in another order, so there a token may differ only where the
 single process's top-2 logit gap is below 1e-3 (the prompts are chosen free
 of such near-ties, so in practice nothing differs).
 
-The llama servers then lose rank 1 mid-stream: killed (tensor) or stopped
-with SIGSTOP (pipeline; rank 0's step watchdog catches the collective that
-never completes). Both open streams fail, `/health` stops answering ok and
-every rank exits within 10 s (of the step timeout, for the stall). (That
-check rides on the parity tests' servers: each launch costs seconds.)
+Then three of the servers lose a rank mid-stream (each launch costs seconds, so
+these checks ride on the parity tests' servers):
+- llama, tensor: rank 1 is killed while two busy loops saturate both cores;
+- DeepSeek-V4, tensor: rank 0 is killed, under the same load;
+- llama, pipeline: rank 1 is stopped (SIGSTOP); rank 0's step watchdog catches
+  the collective that never completes.
+Both open streams fail and every rank (and mlx.launch) exits within 10 s (of the
+step timeout, for the stall).
+
+This module holds every `mlx.launch` test, `bench distributed`'s too: one module,
+so one test worker, runs them one after another (two launches at once would be
+four ranks on this machine's cores).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,11 +35,13 @@ from dist_helpers import (
     Answer,
     LaunchedServer,
     assert_same_answers,
-    kill_a_rank_mid_stream,
+    kill_rank_under_load,
     launch_available,
     scenarios,
+    stall_a_rank_mid_stream,
 )
 
+from mlxserve.cli import main as cli_main
 from mlxserve.models import load
 
 pytestmark = [
@@ -85,12 +95,14 @@ def test_distributed_answers_match_a_single_process(
     tmp_path: Path,
 ) -> None:
     path = model_dir_factory(family)
-    stall = family == "llama" and mode == "pipeline"
+    stall = (family, mode) == ("llama", "pipeline")
     extra = ("--step-timeout", str(STALL_TIMEOUT_S)) if stall else ()
     with LaunchedServer(path, mode, *SERVE_EXTRA, *extra, log=tmp_path / "launch.log") as server:
         got = scenarios(server.url)
-        if family == "llama":
-            kill_a_rank_mid_stream(server, STALL_TIMEOUT_S if stall else None)
+        if stall:
+            stall_a_rank_mid_stream(server, STALL_TIMEOUT_S)
+        elif mode == "tensor":
+            kill_rank_under_load(server, victim=1 if family == "llama" else 0)
     expected = reference(family)
     tie_ok = mode == "tensor"
     for i, (want, have) in enumerate(zip(expected["batch"], got["batch"], strict=True)):
@@ -102,3 +114,22 @@ def test_distributed_answers_match_a_single_process(
     assert got["abort"] == expected["abort"]
     assert got["disconnect"] == expected["disconnect"]
     assert_same_answers(expected["after"], got["after"], NEAR_TIE, "after the aborts", tie_ok)
+
+
+def test_bench_distributed_reports_its_keys(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "distributed.json"
+    args = ["bench", "distributed", "--requests", "2", "--max-tokens", "4", "--layers", "2"]
+    assert cli_main([*args, "--json", str(out)]) == 0
+    printed = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    keys = (
+        "tp2_token_agreement",
+        "pp2_token_agreement",
+        "weight_bytes_per_rank_over_single",
+        "broadcast_ms_per_step",
+        "step_overhead_ratio",
+    )
+    for key in keys:
+        assert key in printed
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["tp2_token_agreement"] == 1.0 and figures["pp2_token_agreement"] == 1.0
+    assert figures["weight_bytes_per_rank_over_single"] <= 0.6
