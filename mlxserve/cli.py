@@ -320,6 +320,11 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         help="deepseek_v4: add the checkpoint's MTP layer (mtp.* weights) for --speculative mtp",
     )
     p.add_argument(
+        "--vision",
+        action="store_true",
+        help="add a tiny vision tower and its image processor (llama: a LLaVA checkpoint)",
+    )
+    p.add_argument(
         "--script",
         action="append",
         default=None,
@@ -332,7 +337,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         choices=["deepseek_v4", "deepseek_v41"],
         help="scripted family: which DeepSeek encoder and parsers the checkpoint selects",
     )
-    p.set_defaults(handler="mlxserve.models.tiny.synthetic:run")
+    p.set_defaults(handler="mlxserve.models.tiny.vision:run")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:

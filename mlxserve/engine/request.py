@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxserve.models.vision import PromptImage
 
 
 class EngineOverloaded(RuntimeError):
@@ -164,6 +167,18 @@ class Request:
     # After a preemption the cache is rebuilt from prompt + output (None: the prompt).
     fill_ids: list[int] | None = None
     preemptions: int = 0
+    # Images in the prompt (a model that reads them): their positions in `prompt_ids`
+    # hold content-keyed ids past the vocabulary, fed as the image's features.
+    images: tuple[PromptImage, ...] = ()
+
+    def token_ids(self, ids: list[int]) -> list[int]:
+        """`ids` (from this request's context) without its image positions' keyed ids:
+        what penalties and prompt-lookup drafts may read as text."""
+        if not self.images:
+            return ids
+        from mlxserve.models.vision import IMAGE_KEY_BASE
+
+        return [t for t in ids if t < IMAGE_KEY_BASE]
 
     @property
     def num_prompt(self) -> int:
