@@ -324,4 +324,6 @@ class AsyncEngine:
         stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache is not None else None
         disk = self._core.disk
         stats["prefix_cache_disk"] = asdict(disk.stats()) if disk is not None else None
+        runner = self._core.runner
+        stats["vision"] = asdict(runner.vision.counters) if runner is not None else None
         return stats
