@@ -136,7 +136,7 @@ def _model_families(stats: dict[str, Any], ready: bool) -> Iterator[Family]:
         f"{p}_vision_seconds",
         "Seconds in the vision tower (count: images it encoded; a prefix-cache hit "
         "that covers an image skips it).",
-        count_value=_num(vision, "images"),
+        count_value=int(_num(vision, "images")),
         sum_value=_num(vision, "seconds"),
     )
 
