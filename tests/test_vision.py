@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 from engine_helpers import collect, started_engine, tokens_of
-from vision_helpers import Oracle, chat, make_checkpoint, noise_png
+from vision_helpers import Oracle, chat, noise_png
 
 from mlxserve.chat import PromptError, PromptIds
 from mlxserve.cli import main as cli_main
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
-from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.tiny.vision import IMAGE_TOKENS
 from mlxserve.models.vision import IMAGE_KEY_BASE
@@ -33,19 +32,9 @@ SHOT = noise_png(1)
 OTHER = noise_png(2)
 
 
-@pytest.fixture(scope="module")
-def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_checkpoint(tmp_path_factory.mktemp("llava") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def model(vision_dir: Path) -> LoadedModel:
-    return load(vision_dir)
-
-
-@pytest.fixture(scope="module")
-def oracle(vision_dir: Path) -> Oracle:
-    return Oracle(vision_dir)
+@pytest.fixture
+def model(vision_model: LoadedModel) -> LoadedModel:
+    return vision_model
 
 
 def _expected(oracle: Oracle, prompt: PromptIds, *images: bytes) -> list[int]:

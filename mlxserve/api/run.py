@@ -36,7 +36,7 @@ from mlxserve.api.structured import OutputConstraint, StructuredOutputError, con
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
 from mlxserve.engine.request import Constraint, TokenEvent
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.vision import PromptImage
+from mlxserve.models.vision import IMAGE_KEY_BASE, PromptImage
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,8 @@ def start_run(
         len(ids),
         stops=stops,
         logprobs=params.logprobs,
-        prompt_tail=ids[-CONTEXT_TOKENS:],
+        # (An image's keyed ids are no text the detokenizer could read.)
+        prompt_tail=[t for t in ids[-CONTEXT_TOKENS:] if t < IMAGE_KEY_BASE],
         **pipeline_options,
     )
     events = state.submit(ids, params, meta.id, images=images)
