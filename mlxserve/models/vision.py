@@ -9,7 +9,8 @@ text llama. The rest is a `VisionTower`:
   rendered prompt text and the images: it expands each image placeholder to the
   image's token count and prepares its pixels. Each image's span of token ids is
   then replaced by ids derived from the image's sha256 (`image_key_ids`), so the
-  prefix cache (RAM and disk, keyed by token ids) keys image positions by content:
+  prefix cache (RAM and disk, keyed by token ids) keys image positions by content
+  (rule 13 of docs/architecture.md):
   the same image re-sent is a hit, a different one at the same positions is not.
   Those ids are at or above `IMAGE_KEY_BASE`, past any vocabulary, so they never
   stand for text.
