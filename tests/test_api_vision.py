@@ -129,3 +129,24 @@ def test_a_resent_screenshot_hits_the_cache_and_another_does_not(server: ServerT
     # The re-sent screenshot skipped the vision tower.
     assert grew("mlxserve_vision_seconds_count", model_name=MODEL) == 2
     assert grew("mlxserve_vision_seconds_sum", model_name=MODEL) > 0
+
+
+def test_count_tokens_counts_image_tokens_and_a_typed_placeholder_is_a_400(
+    server: ServerThread,
+) -> None:
+    claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+    def count(*blocks: Any) -> int:
+        content = [*blocks, {"type": "text", "text": "What is it?"}]
+        messages: Any = [{"role": "user", "content": content}]
+        return claude.messages.count_tokens(model=MODEL, messages=messages).input_tokens
+
+    assert count(anthropic_image(SHOT)) >= count() + IMAGE_TOKENS
+    client = openai.OpenAI(base_url=server.base_url, api_key="x", max_retries=0, timeout=60)
+    placeholder = server.state.engine.model.vision.image_token
+    typed = {"type": "text", "text": f"see {placeholder}"}
+    chat: Any = [{"role": "user", "content": [typed, openai_image(data_url(SHOT))]}]
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=MODEL, messages=chat, max_tokens=MAX_TOKENS)
+    error = bad.value.body
+    assert isinstance(error, dict) and "placeholder" in error["message"]
