@@ -186,13 +186,16 @@ def load_vision(path: Path, config: dict[str, Any]) -> tuple[Any, Any]:
     """(language module, mlx-vlm model) of a vision checkpoint: the language module is
     mlx-lm's own class for `text_config`, holding the very arrays of mlx-vlm's language
     model (nothing is copied); both are lazy until evaluated."""
+    import dataclasses
     import importlib
 
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import load_model as vlm_load_model
 
     vlm = vlm_load_model(path, lazy=True)
-    text_config = dict(config["text_config"])
+    # A real checkpoint's text_config may leave fields to their defaults: mlx-vlm's
+    # resolved config fills them, and the file's own keys (ones mlx-vlm ignores) stay.
+    text_config = {**config["text_config"], **dataclasses.asdict(vlm.config.text_config)}
     arch = importlib.import_module(f"mlx_lm.models.{text_config['model_type']}")
     language = arch.Model(arch.ModelArgs.from_dict(text_config))
     language.load_weights(tree_flatten(vlm.language_model.parameters()), strict=True)
