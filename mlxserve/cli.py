@@ -401,6 +401,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(handler="mlxserve.bench.soak:run")
 
+    p = bsub.add_parser("images", help="screenshots cold and re-sent: prefill, hits, tower time")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny LLaVA)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--history-tokens", type=int, default=4096, help="text before the screenshots")
+    p.add_argument("--images", type=int, default=2, help="screenshots per prompt")
+    p.add_argument("--rounds", type=int, default=3)
+    p.set_defaults(handler="mlxserve.bench.images:run")
+
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
     p.add_argument(
         "--tokens",
