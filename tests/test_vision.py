@@ -70,6 +70,9 @@ def test_the_checkpoint_reads_images_and_make_model_refuses_other_families(
 ) -> None:
     assert model.reads_images and model.vision is not None
     assert model.model_type == "llava" and model.chat_encoder == "template"
+    # What the admission counts per image position while its prompt prefills: one row of
+    # the 64-wide input embeddings.
+    assert model.vision.feature_bytes_per_position() in (64 * 2, 64 * 4)
     code = cli_main(["make-model", str(tmp_path / "q"), "--family", "qwen3", "--vision"])
     assert code == 2 and not (tmp_path / "q").exists()
 

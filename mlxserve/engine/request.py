@@ -181,6 +181,15 @@ class Request:
         return [t for t in ids if t < IMAGE_KEY_BASE]
 
     @property
+    def feature_positions(self) -> int:
+        """Image positions whose features the runner may hold for this request: each image
+        its prefill has not passed (the runner keeps an image's features from the chunk
+        that first reaches it until a chunk passes its end)."""
+        if self.status == RequestStatus.RUNNING:
+            return 0
+        return sum(image.length for image in self.images if image.end > self.num_computed)
+
+    @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
 

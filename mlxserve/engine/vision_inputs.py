@@ -4,7 +4,7 @@ A request whose prompt holds images (`Request.images`) is prefilled like any
 other, chunk by chunk; a chunk that covers image positions is fed input
 embeddings instead of token ids: the token embeddings with the image's features
 in its positions (`models/vision.py`). An image's features are computed once, by
-the first chunk that reaches it, and kept until the request's prefill is done, so
+the first chunk that reaches it, and kept until a chunk passes its end, so
 a chunk boundary may fall anywhere inside an image's span: attention is causal and
 each position's input is known up front, so the chunks compute what one forward
 would. A prefix-cache hit that covers an image skips its features altogether.
@@ -53,6 +53,10 @@ class VisionInputs:
             rows = self._of(request.request_id, n, image)
             first, last = max(image.start, start), min(image.end, end)
             parts.append((first, rows[first - image.start : last - image.start]))
+            if image.end <= end:
+                # No later chunk reads them: the scheduler's admission counts an image's
+                # features only until its prefill passes it (`Request.feature_positions`).
+                self._features[request.request_id].pop(n)
         return self.tower.embeddings(request.context_ids[start:end], start, parts)
 
     def _of(self, request_id: str, n: int, image: PromptImage) -> mx.array:

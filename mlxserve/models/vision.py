@@ -136,6 +136,14 @@ class VisionTower:
         merged = self.vlm.get_input_embeddings(input_ids=run, pixel_values=pixels)
         return merged.inputs_embeds[0]
 
+    def feature_bytes_per_position(self) -> int:
+        """Bytes of one image position's features as the engine holds them (one row of
+        input embeddings: mlx-vlm's merge gives them the token embeddings' dtype)."""
+        import mlx.core as mx
+
+        row = self.vlm.language_model.model.embed_tokens(mx.array([0], dtype=mx.int32))
+        return int(row.nbytes)
+
     def embeddings(self, ids: Sequence[int], start: int, parts: Sequence[tuple[int, Any]]) -> Any:
         """(1, len(ids), hidden) input embeddings of prompt ids [start, start + len(ids)):
         token embeddings, with `parts` ((position, feature rows)) in their places."""
