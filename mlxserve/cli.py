@@ -322,7 +322,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--vision",
         action="store_true",
-        help="add a tiny vision tower and its image processor (llama: a LLaVA checkpoint)",
+        help="add a tiny vision tower and its image processor (llama: LLaVA; deepseek_v4: its ViT)",
     )
     p.add_argument(
         "--script",

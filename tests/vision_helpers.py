@@ -53,13 +53,20 @@ class Oracle:
         self.model = load_model(path)
         self.processor = load_processor(path)
 
-    def tokens(self, text: str, images: list[bytes], max_tokens: int) -> list[int]:
-        from mlx_vlm import generate
-
+    def _inputs(self, text: str, images: list[bytes]) -> tuple[Any, dict[str, Any]]:
+        """The processor's output, and the family's own image metadata in it (DeepSeek-V4:
+        grids, offsets, layout types)."""
         pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
         # mlx-vlm's processor, called as its `prepare_inputs` would but without the
         # `padding` argument transformers 5's image processors refuse for LLaVA.
         inputs = self.processor(text=[text], images=pictures or None)
+        plain = ("input_ids", "attention_mask", "pixel_values")
+        return inputs, {key: value for key, value in inputs.items() if key not in plain}
+
+    def tokens(self, text: str, images: list[bytes], max_tokens: int) -> list[int]:
+        from mlx_vlm import generate
+
+        inputs, metadata = self._inputs(text, images)
         result = generate(
             self.model,
             self.processor,
@@ -69,5 +76,6 @@ class Oracle:
             max_tokens=max_tokens,
             temperature=0.0,
             verbose=False,
+            **metadata,
         )
         return [int(t) for t in result.token_ids]

@@ -121,9 +121,26 @@ def _image_placeholders(
     for msg in request.messages:
         content = msg.get("content")
         if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
-            msg = {**msg, "content": [place(p) for p in content]}
+            placed = [place(p) for p in content]
+            if tower.placeholder_joins_text:
+                placed = _joined(placed)
+            msg = {**msg, "content": placed}
         messages.append(msg)
     return replace(request, messages=messages), images
+
+
+def _joined(parts: list[Any]) -> list[Any]:
+    """A content list of text blocks as one block, its texts with nothing between: how
+    mlx-vlm's processor renders a content list that holds images (DeepSeek-V4). Any
+    other part leaves the list as it is, for the renderer to refuse."""
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type", "text") != "text":
+            return parts
+        if not isinstance(part.get("text"), str):
+            return parts
+        texts.append(part["text"])
+    return [{"type": "text", "text": "".join(texts)}]
 
 
 def _render_with_images(

@@ -170,6 +170,11 @@ class Request:
     # Images in the prompt (a model that reads them): their positions in `prompt_ids`
     # hold content-keyed ids past the vocabulary, fed as the image's features.
     images: tuple[PromptImage, ...] = ()
+    # A model that reads a prompt's images only in one forward from its start
+    # (`VisionTower.whole_prefill`, DeepSeek-V4): the first prefill chunk reaches this
+    # position (the end of the last image), and a prefix-cache hit is used only if it
+    # covers it. 0: chunks are cut anywhere.
+    whole_until: int = 0
 
     def token_ids(self, ids: list[int]) -> list[int]:
         """`ids` (from this request's context) without its image positions' keyed ids:

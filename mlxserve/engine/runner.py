@@ -314,8 +314,8 @@ class Runner:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
             self.ensure_sampler(chunk.request)
-            context = chunk.request.context_ids
-            tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
+            ids = self.vision.model_ids(chunk.request, chunk.start, chunk.end)
+            tokens = mx.array([ids], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
             start = self._feed_leading_pieces(chunk, cache)
@@ -331,10 +331,12 @@ class Runner:
     def _feed_leading_pieces(self, chunk: PrefillChunk, cache: list[Any]) -> int:
         """Feed a long chunk's leading pieces over a quantized cache now
         (`kv_quantize.leading_pieces`); returns where the rest starts."""
-        context, rid = chunk.request.context_ids, chunk.request.request_id
+        rid = chunk.request.request_id
         rest = chunk.start
+        if chunk.start < chunk.request.whole_until:  # one forward, never cut
+            return rest
         for start, end in leading_pieces(chunk, self.kv_quant, self.cost, self.query_heads):
-            inputs = mx.array([context[start:end]], dtype=mx.int32)
+            inputs = mx.array([self.vision.model_ids(chunk.request, start, end)], dtype=mx.int32)
             embeddings = self.vision.embeddings(chunk.request, start, end)
             logits = self.tap.last_logits(inputs, cache, [(rid, start)], embeddings)
             self._feed_only(logits, cache)

@@ -219,6 +219,8 @@ class Scheduler:
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
         end = start + min(budget, request.prefill_remaining)
+        if start < request.whole_until:  # its images in one forward from the start
+            end = max(end, request.whole_until)
         # A resumed request also stops at the prompt's end: that is a snapshot point.
         prompt_end = request.num_prompt if request.fill_ids is not None else None
         for boundary in (request.branch_at, prompt_end):
@@ -367,14 +369,17 @@ class Scheduler:
             return
         context = request.context_ids
         # A fresh prompt snapshots at its end, superseding the entry it extends.
-        hit = self.prefix_cache.lookup(context, take=request.fill_ids is None)
+        hit = None
+        if self.prefix_cache.reusable(context) >= request.whole_until:
+            hit = self.prefix_cache.lookup(context, take=request.fill_ids is None)
         if hit is not None:
             request.num_computed = hit.key_len
             if request.preemptions == 0:
                 request.cached_tokens = hit.key_len
             request.cache = hit.cache
         shared = self.prefix_cache.shared_prefix_len(context)
-        if request.num_computed + MIN_BRANCH_TOKENS <= shared < request.num_prompt:
+        branch_from = max(request.num_computed + MIN_BRANCH_TOKENS, request.whole_until)
+        if branch_from <= shared < request.num_prompt:
             request.branch_at = shared
 
     # -- results ------------------------------------------------------------

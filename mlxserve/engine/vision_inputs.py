@@ -59,6 +59,19 @@ class VisionInputs:
                 self._features[request.request_id].pop(n)
         return self.tower.embeddings(request.context_ids[start:end], start, parts)
 
+    def model_ids(self, request: Request, start: int, end: int) -> list[int]:
+        """The ids the language model reads at context positions [start, end): the
+        context's, with each image's own ids (`PromptImage.model_ids`) in place of the
+        content-keyed ones the prefix cache sees."""
+        ids = list(request.context_ids[start:end])
+        for image in request.images:
+            if image.model_ids and image.start < end and image.end > start:
+                first, last = max(image.start, start), min(image.end, end)
+                ids[first - start : last - start] = image.model_ids[
+                    first - image.start : last - image.start
+                ]
+        return ids
+
     def _of(self, request_id: str, n: int, image: PromptImage) -> mx.array:
         known = self._features.setdefault(request_id, {})
         if n not in known:

@@ -84,7 +84,11 @@ class ModelAdapter:
     def _embedded_last_logits(
         self, inputs: mx.array, cache: list[Any] | None, embeddings: mx.array
     ) -> mx.array:
-        if self.model_type not in _PLAIN_HEAD_TYPES or self._is_vlm_v4:
+        if self._is_vlm_v4:
+            # `inputs` hold the image sentinels: its gates and attention mask read them.
+            hidden = self.module.model(inputs, cache=cache, inputs_embeds=embeddings)[:, -1:, :]
+            return self.module.lm_head(hidden)[:, -1, :]
+        if self.model_type not in _PLAIN_HEAD_TYPES:
             raise ValueError(f"{self.model_type} takes no input embeddings here")
         hidden = self.module.model(inputs, cache, embeddings)[:, -1:, :]
         return self._head(hidden)[:, -1, :]

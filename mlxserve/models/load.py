@@ -14,7 +14,13 @@ from mlxserve.models.progress import LoadProgress
 from mlxserve.models.prompt_format import check_renderable, choose_encoder
 from mlxserve.models.tiny.scripted import is_scripted, load_checkpoint
 from mlxserve.models.tokenizer import load_tokenizer
-from mlxserve.models.vision import VISION_TYPES, load_tower, load_vision
+from mlxserve.models.vision import (
+    VISION_TYPES,
+    VisionTower,
+    has_vision_tower,
+    load_tower,
+    load_vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +108,9 @@ def _load_module(
     model_type = config["model_type"]
     progress.enter("module")
     vlm: Any = None
-    if model_type in VISION_TYPES:
+    # DeepSeek-V4 sharded across ranks is served as before, reading text only.
+    blind = shard is not None and model_type in VLM_TYPES
+    if has_vision_tower(config) and not blind:
         if shard is not None:
             raise ModelLoadError(f"{model_type} vision checkpoints cannot be served distributed")
         module, vlm = load_vision(path, config)
@@ -212,7 +220,7 @@ def load(
         module, vlm = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
         tokenizer = load_tokenizer(path, config.get("eos_token_id")) if with_tokenizer else None
-        tower = load_tower(path, vlm, config) if vlm is not None and with_tokenizer else None
+        tower = _load_tower(path, vlm, config) if vlm is not None and with_tokenizer else None
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
     # A vision checkpoint's language model runs as its own family does alone.
@@ -241,6 +249,17 @@ def load(
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
     return loaded
+
+
+def _load_tower(path: Path, vlm: Any, config: dict[str, Any]) -> VisionTower:
+    if config["model_type"] == "deepseek_v4":
+        from mlx_vlm.utils import load_processor
+
+        from mlxserve.models.deepseek_v4.vision import DeepseekV4Tower
+
+        processor = load_processor(path, add_detokenizer=False)
+        return DeepseekV4Tower(vlm, processor, int(config["vocab_size"]))
+    return load_tower(path, vlm, config)
 
 
 def _language_type(config: dict[str, Any]) -> str:

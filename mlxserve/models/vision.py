@@ -17,6 +17,9 @@ text llama. The rest is a `VisionTower`:
 - `features` and `embeddings` (the engine's owner thread, rule 1 of
   docs/architecture.md): the image's features through mlx-vlm's own merge, and a
   prefill chunk's input embeddings with them in place of the image positions.
+
+DeepSeek-V4's tower (`models/deepseek_v4/vision.py`) is a `VisionTower` of its own: its
+language model is mlx-vlm's, and it reads the processor's image sentinels too.
 """
 
 from __future__ import annotations
@@ -33,8 +36,16 @@ import numpy as np
 # Prompt ids at or above this stand for image positions (see the module docstring).
 IMAGE_KEY_BASE = 1 << 30
 _KEY_MASK = IMAGE_KEY_BASE - 1
-# mlx-vlm families loaded as language model + vision tower.
+# mlx-vlm families loaded as language model + vision tower (DeepSeek-V4 when its config
+# has `vision_n_layers > 0`, `models/deepseek_v4/vision.py`).
 VISION_TYPES = frozenset({"llava"})
+
+
+def has_vision_tower(config: dict[str, Any]) -> bool:
+    """Whether a checkpoint's config describes a vision tower mlxserve serves."""
+    if config.get("model_type") == "deepseek_v4":
+        return int(config.get("vision_n_layers") or 0) > 0
+    return config.get("model_type") in VISION_TYPES
 
 
 def image_key_ids(sha256: str, length: int) -> list[int]:
@@ -58,6 +69,11 @@ class PromptImage:
     length: int
     sha256: str
     pixels: np.ndarray
+    # What the language model reads at the image's positions beside the features (LLaVA:
+    # its image token; DeepSeek-V4: the processor's layout sentinels); () for none.
+    model_ids: tuple[int, ...] = ()
+    # The family's own layout of the image (DeepSeek-V4: its patch grid and order).
+    layout: tuple[Any, ...] = ()
 
     @property
     def end(self) -> int:
@@ -91,6 +107,13 @@ class VisionError(ValueError):
 class VisionTower:
     """The vision side of a loaded checkpoint (see the module docstring)."""
 
+    # Whether the language model must read a prompt from its start to its last image in
+    # one forward (DeepSeek-V4's two-way attention inside an image); LLaVA is causal.
+    whole_prefill = False
+    # Whether an image's placeholder joins its neighbouring text with no separator, as
+    # the family's processor renders a content list holding images.
+    placeholder_joins_text = False
+
     def __init__(self, vlm: Any, processor: Any, image_token_id: int) -> None:
         self.vlm = vlm
         self.processor = processor
@@ -110,7 +133,7 @@ class VisionTower:
                 f"({self.image_token!r}) for {len(images)} image(s); a message's text may "
                 "not contain the placeholder itself"
             )
-        pictures = [_decode(data) for data, _ in images]
+        pictures = [decode_image(data) for data, _ in images]
         # mlx-vlm's processors hand back MLX arrays made from numpy ones (no computation);
         # they become numpy again at once.
         out = self.processor(text=[text], images=pictures or None)
@@ -122,7 +145,8 @@ class VisionTower:
         placed = []
         for (start, length), (_, digest), one in zip(spans, images, pixels, strict=True):
             ids[start : start + length] = image_key_ids(digest, length)
-            placed.append(PromptImage(start, length, digest, one))
+            model_ids = (self.image_token_id,) * length
+            placed.append(PromptImage(start, length, digest, one, model_ids))
         return ids, placed
 
     # -- the owner thread --------------------------------------------------------
@@ -164,7 +188,7 @@ class VisionTower:
         return mx.concatenate([p.astype(dtype) for p in pieces], axis=0)[None]
 
 
-def _decode(data: bytes) -> Any:
+def decode_image(data: bytes) -> Any:
     from PIL import Image
 
     with Image.open(io.BytesIO(data)) as image:
@@ -201,6 +225,8 @@ def load_vision(path: Path, config: dict[str, Any]) -> tuple[Any, Any]:
     from mlx_vlm.utils import load_model as vlm_load_model
 
     vlm = vlm_load_model(path, lazy=True)
+    if config["model_type"] == "deepseek_v4":  # mlx-vlm's language model is the one served
+        return vlm.language_model, vlm
     # A real checkpoint's text_config may leave fields to their defaults: mlx-vlm's
     # resolved config fills them, and the file's own keys (ones mlx-vlm ignores) stay.
     text_config = {**config["text_config"], **dataclasses.asdict(vlm.config.text_config)}

@@ -10,6 +10,10 @@ mlx-vlm's `LlavaProcessor` over a CLIP image processor, both written here as
 plain JSON so mlx-vlm loads the checkpoint offline.
 
 The image is 56x56 pixels in 14-pixel patches: 16 image tokens per image.
+
+`--family deepseek_v4 --vision` writes the tiny DeepSeek-V4 of the text family with
+mlx-vlm's DeepSeek ViT and aligner (`vision_*` config fields) and the tokenizer's
+`<｜deepseek_image｜>` placeholder; mlx-vlm's processor for it needs no file of its own.
 """
 
 from __future__ import annotations
@@ -28,7 +32,24 @@ IMAGE_TOKEN_ID = 129279
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
-VISION_FAMILIES = ("llama",)
+VISION_FAMILIES = ("llama", "deepseek_v4")
+# DeepSeek-V4's image placeholder (mlx-vlm's processor), added to the tokenizer past the
+# image sentinels (vocab_size + 0..4) the processor writes in its place.
+DEEPSEEK_IMAGE_TOKEN = "<｜deepseek_image｜>"
+DEEPSEEK_IMAGE_TOKEN_ID = synthetic.VOCAB_SIZE + 10
+# A tiny DeepSeek ViT: 14-pixel patches merged 3x3, at most 64 image positions; a
+# 60x40 image is 5x3 patches, 2x1 merged features, 10 to 13 positions with its padding.
+_DEEPSEEK_VISION = {
+    "vision_n_layers": 1,
+    "vision_dim": 32,
+    "vision_n_heads": 2,
+    "vision_inter_dim": 64,
+    "vision_patch_size": PATCH_SIZE,
+    "vision_downsample_ratio": 3,
+    "vision_max_n_token": 64,
+    "vision_min_pixels": 42 * 42,
+    "vision_max_wh_ratio": 8,
+}
 # CLIP's normalisation constants (what a real LLaVA's preprocessor_config.json holds).
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -86,6 +107,37 @@ def _processor_files() -> dict[str, dict[str, Any]]:
     return {"preprocessor_config.json": image_processor, "processor_config.json": processor}
 
 
+def _write_deepseek_image_token(out: Path) -> None:
+    """The tokenizer's files with `DEEPSEEK_IMAGE_TOKEN` as a special token."""
+    path = out / "tokenizer.json"
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    tokenizer["added_tokens"].append(
+        {
+            "id": DEEPSEEK_IMAGE_TOKEN_ID,
+            "content": DEEPSEEK_IMAGE_TOKEN,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+    )
+    path.write_text(json.dumps(tokenizer, ensure_ascii=False), encoding="utf-8")
+
+
+def _make_deepseek_v4(out: Path, seed: int, layers: int | None, hidden: int | None) -> None:
+    """mlx-vlm's DeepSeek-V4 with its vision tower: the text family's config with the
+    `vision_*` fields; mlx-vlm's processor reads them from config.json."""
+    import mlx.core as mx
+
+    config = {**synthetic.build_config("deepseek_v4", layers, hidden), **_DEEPSEEK_VISION}
+    weights = synthetic.random_weights(config, seed)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    synthetic.write_tokenizer(out, None)
+    _write_deepseek_image_token(out)
+
+
 def make_vision_model(
     out_dir: str | Path,
     family: str,
@@ -98,10 +150,13 @@ def make_vision_model(
 
     if family not in VISION_FAMILIES:
         raise ValueError(f"--vision: choose --family {' or '.join(VISION_FAMILIES)}")
-    default_layers, default_hidden = 2, 64
-    config = llava_config(layers or default_layers, hidden or default_hidden)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if family == "deepseek_v4":
+        _make_deepseek_v4(out, seed, layers, hidden)
+        return out
+    default_layers, default_hidden = 2, 64
+    config = llava_config(layers or default_layers, hidden or default_hidden)
     weights = synthetic.random_weights(config, seed)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
