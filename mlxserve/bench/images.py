@@ -10,7 +10,9 @@ less, the tower skipped (`resend_tower_images`). `vision_tower_ms_per_image` is
 the tower's own time per image, from the engine's counters. Each round uses new
 history and images, so no round hits another's entries; figures are medians over rounds.
 
-The default checkpoint is the tiny LLaVA of `make-model --family llama --vision`.
+The default checkpoint is the tiny LLaVA of `make-model --family llama --vision`;
+`--model` takes any checkpoint that reads images (a DeepSeek-V4 one renders without
+thinking, so that the next turn's prompt extends the first's).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import base64
 import io
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,7 +82,11 @@ def turns(model: LoadedModel, history: str, images: list[ImagePart]) -> tuple[Pr
         {"role": "assistant", "content": "A failing build."},
         {"role": "user", "content": "Which test fails?"},
     ]
-    return tuple(render_prompt(model, PromptRequest(m)) for m in (first, second))
+    no_thinking = {"thinking": False}  # DeepSeek: a template ignores it
+    return tuple(
+        render_prompt(model, PromptRequest(m, chat_template_kwargs=no_thinking))
+        for m in (first, second)
+    )
 
 
 class Timed(NamedTuple):
@@ -98,10 +105,15 @@ async def timed(engine: AsyncEngine, prompt: PromptIds) -> Timed:
     return Timed(ttft, cached)
 
 
-async def _rounds(model: LoadedModel, args: argparse.Namespace) -> dict[str, Any]:
-    engine = AsyncEngine(EngineConfig(), lambda: model)
+async def _rounds(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    # Loaded on the engine's owner thread, as a server loads it (DeepSeek-V4 needs it).
+    engine = AsyncEngine(EngineConfig(), lambda: load(path))
     engine.start()
     await engine.wait_ready()
+    model = engine.model
+    if not model.reads_images:
+        await engine.shutdown()
+        raise ValueError(f"{path} has no vision tower")
     cold, warm, tower_ms, cached, tower_on_resend = [], [], [], [], []
     try:
         # Warm-up: the first forwards of each shape pay one-off costs.
@@ -146,11 +158,11 @@ def run(args: argparse.Namespace) -> int:
             from mlxserve.models.tiny.vision import make_vision_model
 
             path = make_vision_model(Path(tmp) / "llava", "llama", seed=0)
-        model = load(path)
-        if not model.reads_images:
-            print(f"mlxserve bench images: {path} has no vision tower")
-            return 2
         figures: dict[str, Any] = {"model": str(args.model or "tiny llava")}
-        figures.update(asyncio.run(_rounds(model, args)))
+        try:
+            figures.update(asyncio.run(_rounds(path, args)))
+        except ValueError as e:
+            print(f"mlxserve bench images: {e}", file=sys.stderr)
+            return 2
     emit("images", figures, args.json)
     return 0
