@@ -7,7 +7,9 @@ the language model reads: the engine feeds a prompt from its start to the end of
 image in one prefill, even under a 5-token chunk budget, and uses a prefix-cache hit only
 if it covers every image. Greedy tokens equal mlx-vlm's own generation until a decode step
 closes a pooling window (where mlx-vlm's compressor drops its overlap window, as
-`test_models.py` pins for text), and the engine's own alone, batched and chunked.
+`test_models.py` pins for text), and the engine's own alone, batched and chunked. Over
+HTTP, Claude Code's screenshot inside a `tool_result` is answered, and the next turn
+re-sending it is a hit that covers it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import pytest
+from api_fixtures import ServerThread, serve_args
 from engine_helpers import collect, started_engine, tokens_of
+from image_helpers import anthropic_image
 from vision_helpers import Oracle, image_part, noise_png
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
@@ -153,3 +158,55 @@ def test_a_prefix_hit_is_used_only_if_it_covers_every_image(
     _agrees_with_mlx_vlm(oracle, prompts[1], SHOT, resent)
     _agrees_with_mlx_vlm(oracle, prompts[2], OTHER, other)
     assert stats["vision"]["images"] == 2
+
+
+def test_claude_codes_screenshot_over_http_is_answered_and_resent_as_a_hit(
+    checkpoint: Path,
+) -> None:
+    """`Read` on a PNG answers with an image inside the tool_result: answered (streamed
+    too); the next turn re-sending it hits past the image, and the same turn holding
+    another image is a cold prefill (its hit would end before the image)."""
+    args = serve_args("--served-model-name", "tiny-dsv4-vision", model=str(checkpoint))
+    call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"file_path": "a.png"}}
+
+    def turn(shot: bytes) -> list[dict[str, Any]]:
+        result = {
+            "type": "tool_result",
+            "tool_use_id": "toolu_1",
+            "content": [anthropic_image(shot)],
+        }
+        return [
+            {"role": "user", "content": "Look at a.png"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+
+    def next_turn(shot: bytes) -> list[dict[str, Any]]:
+        reply = {"role": "assistant", "content": "It is noise."}
+        return [*turn(shot), reply, {"role": "user", "content": "Which colours?"}]
+
+    with ServerThread(args, None) as server:
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+        def ask(messages: Any) -> Any:
+            return claude.messages.create(
+                model="tiny-dsv4-vision",
+                max_tokens=MAX_TOKENS,
+                messages=messages,
+                thinking={"type": "disabled"},  # the next turn's render extends this one's
+            )
+
+        first = ask(turn(SHOT))
+        with claude.messages.stream(
+            model="tiny-dsv4-vision", max_tokens=MAX_TOKENS, messages=turn(OTHER)
+        ) as stream:
+            streamed = stream.get_final_message()
+        resent, other = ask(next_turn(SHOT)), ask(next_turn(noise_png(7)))
+        stats = server.state.engine.stats()
+    for message in (first, streamed, resent, other):
+        assert message.stop_reason in ("max_tokens", "end_turn")
+        assert message.usage.output_tokens > 0
+    # The whole first turn, its image included, came from the prefix cache.
+    assert resent.usage.cache_read_input_tokens == first.usage.input_tokens
+    assert not other.usage.cache_read_input_tokens
+    assert stats["vision"]["images"] == 3  # the re-sent screenshot skipped the tower
