@@ -368,10 +368,12 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         context = request.context_ids
+        # A hit that ends before an image the model must read in one forward is not used.
+        usable = (
+            request.whole_until == 0 or self.prefix_cache.reusable(context) >= request.whole_until
+        )
         # A fresh prompt snapshots at its end, superseding the entry it extends.
-        hit = None
-        if self.prefix_cache.reusable(context) >= request.whole_until:
-            hit = self.prefix_cache.lookup(context, take=request.fill_ids is None)
+        hit = self.prefix_cache.lookup(context, take=request.fill_ids is None) if usable else None
         if hit is not None:
             request.num_computed = hit.key_len
             if request.preemptions == 0:
