@@ -210,3 +210,20 @@ def test_claude_codes_screenshot_over_http_is_answered_and_resent_as_a_hit(
     assert resent.usage.cache_read_input_tokens == first.usage.input_tokens
     assert not other.usage.cache_read_input_tokens
     assert stats["vision"]["images"] == 3  # the re-sent screenshot skipped the tower
+
+
+def test_the_first_chunk_reaches_the_last_image_whatever_the_budget() -> None:
+    """The scheduler alone: a 5-token budget, a prompt whose last image ends at 17."""
+    from mlxserve.engine.plan import RequestOutput, StepResult
+    from mlxserve.engine.request import Request
+    from mlxserve.engine.scheduler import Scheduler
+
+    scheduler = Scheduler(EngineConfig(prefix_cache=False, max_prefill_tokens=5), frozenset())
+    request = Request("shot", list(range(1, 31)), SamplingParams(max_tokens=2), 0.0)
+    request.whole_until = 17
+    scheduler.add(request)
+    (first,) = scheduler.schedule().prefills
+    assert (first.start, first.end) == (0, 17)
+    scheduler.update(StepResult(outputs=[RequestOutput("shot", computed=first.end)]))
+    (second,) = scheduler.schedule().prefills
+    assert second.start == 17 and second.num_tokens <= 5
