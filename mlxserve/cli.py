@@ -320,6 +320,11 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         help="deepseek_v4: add the checkpoint's MTP layer (mtp.* weights) for --speculative mtp",
     )
     p.add_argument(
+        "--vision",
+        action="store_true",
+        help="add a tiny vision tower and its image processor (llama: LLaVA; deepseek_v4: its ViT)",
+    )
+    p.add_argument(
         "--script",
         action="append",
         default=None,
@@ -332,7 +337,7 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
         choices=["deepseek_v4", "deepseek_v41"],
         help="scripted family: which DeepSeek encoder and parsers the checkpoint selects",
     )
-    p.set_defaults(handler="mlxserve.models.tiny.synthetic:run")
+    p.set_defaults(handler="mlxserve.models.tiny.vision:run")
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
@@ -395,6 +400,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--sample-every", type=float, default=30.0, help="seconds between memory samples"
     )
     p.set_defaults(handler="mlxserve.bench.soak:run")
+
+    p = bsub.add_parser("images", help="screenshots cold and re-sent: prefill, hits, tower time")
+    p.add_argument("--model", default=None, help="model dir (default: the tiny LLaVA)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--history-tokens", type=int, default=4096, help="text before the screenshots")
+    p.add_argument("--images", type=int, default=2, help="screenshots per prompt")
+    p.add_argument("--rounds", type=int, default=3)
+    p.set_defaults(handler="mlxserve.bench.images:run")
 
     p = bsub.add_parser("structured", help="constrained vs free decoding throughput")
     p.add_argument(

@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -78,3 +79,26 @@ def swa_model_dir(model_dir_factory: Callable[..., Path], tmp_path_factory) -> P
     config["sliding_window"] = 8
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+@pytest.fixture(scope="session")
+def vision_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny LLaVA checkpoint (`make-model --family llama --vision`)."""
+    from vision_helpers import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("llava") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def oracle(vision_dir: Path) -> Any:
+    """mlx-vlm's own greedy generation on `vision_dir` (`vision_helpers.Oracle`)."""
+    from vision_helpers import Oracle
+
+    return Oracle(vision_dir)
+
+
+@pytest.fixture(scope="session")
+def vision_model(vision_dir: Path) -> LoadedModel:
+    from mlxserve.models.load import load
+
+    return load(vision_dir)

@@ -170,3 +170,18 @@ def test_bench_kv_quant_reports_its_keys(tmp_path: Path, capsys) -> None:
     assert figures["kv_bytes_per_token_ratio_4"] <= 0.31
     assert figures["sessions_admitted_ratio_8"] >= 1.7
     assert figures["peak_bytes_8"] > 0 and figures["decode_tok_s_ratio_8"] > 0
+
+
+def test_bench_images_reports_its_keys(tmp_path: Path, vision_dir: Path, capsys) -> None:
+    """Short history here: the figures exist and the re-sent turn is a hit that skips
+    the tower; the 0.1 bound on the ratio holds at the default 4096-token history."""
+    out = tmp_path / "images.json"
+    args = ["bench", "images", "--model", str(vision_dir), "--history-tokens", "128"]
+    assert cli_main([*args, "--rounds", "1", "--images", "1", "--json", str(out)]) == 0
+    printed = dict(line.split("=", 1) for line in capsys.readouterr().out.splitlines())
+    for key in ("image_prefill_s", "resend_ttft_over_cold", "vision_tower_ms_per_image"):
+        assert float(printed[key]) > 0
+    figures = json.loads(out.read_text())["figures"]
+    assert figures["resend_cached_tokens"] == figures["cold_prompt_tokens"]
+    assert figures["resend_tower_images"] == 0
+    assert figures["image_tokens_per_prompt"] == 16

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from engine_helpers import ModelWrapper, collect, idle, started_engine, tokens_of, wait_until
 
@@ -13,12 +15,15 @@ from mlxserve.bench.memory import Scenario, measure
 from mlxserve.cache.arrays import cache_nbytes
 from mlxserve.cache.prefix_cache import PrefixCache
 from mlxserve.config import EngineConfig
-from mlxserve.engine.budget import CacheCost, default_kv_budget, fit_cost
-from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.budget import CacheCost, KVBudget, default_kv_budget, fit_cost
+from mlxserve.engine.plan import RequestOutput, StepResult
+from mlxserve.engine.request import Request, SamplingParams
 from mlxserve.engine.runner import Runner
+from mlxserve.engine.scheduler import Scheduler
 from mlxserve.models.generate import greedy_generate
 from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.vision import PromptImage
 
 
 def test_fit_cost_lies_above_a_block_allocated_cache() -> None:
@@ -183,3 +188,45 @@ def test_a_model_the_memory_probe_cannot_drive_is_refused(model_dir_factory) -> 
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def _image_request(request_id: str, tokens: int, images: tuple[PromptImage, ...]) -> Request:
+    params = SamplingParams(max_tokens=4)
+    request = Request(request_id, list(range(1, tokens + 1)), params, time.monotonic())
+    request.images = images
+    return request
+
+
+def test_image_features_count_in_the_admission_until_the_prefill_passes_them() -> None:
+    """One token costs 1 byte, one image position's features 100: an image request holds
+    its 16 positions' features until a chunk passes the image, and a text request waits
+    for them; a budget its tokens alone would fit fails it (the features count too)."""
+    image = PromptImage(start=4, length=16, sha256="0" * 64, pixels=np.zeros((1,)))
+    cost = CacheCost(fixed_bytes=0, bytes_per_token=1.0)
+    config = EngineConfig(kv_reserve_tokens=0, prefix_cache=False)
+    need = 30 + 16 * 100
+
+    def scheduler(budget: int) -> Scheduler:
+        memory = KVBudget(budget, cost, batched=False, feature_bytes_per_position=100)
+        return Scheduler(config, frozenset(), memory=memory)
+
+    steps = scheduler(need + 29)  # room for the image request and 29 more tokens
+    shot, text = _image_request("shot", 30, (image,)), _image_request("text", 30, ())
+    assert shot.feature_positions == 16 and text.feature_positions == 0
+    steps.add(shot)
+    steps.add(text)
+    steps.schedule()
+    assert [r.request_id for r in steps.running] == ["shot"]
+    steps.update(StepResult(outputs=[RequestOutput("shot", computed=image.end - 1)]))
+    steps.schedule()
+    assert shot.feature_positions == 16 and [r.request_id for r in steps.running] == ["shot"]
+    steps.update(StepResult(outputs=[RequestOutput("shot", computed=image.end)]))
+    steps.schedule()
+    assert shot.feature_positions == 0
+    assert [r.request_id for r in steps.running] == ["shot", "text"]
+
+    tight = scheduler(need - 1)
+    tight.add(_image_request("big", 30, (image,)))
+    tight.schedule()
+    events = tight.take_events()
+    assert events[-1].finish_reason == "error" and "memory budget" in (events[-1].error or "")

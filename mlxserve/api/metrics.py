@@ -20,7 +20,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 PREFIX = "mlxserve"
@@ -35,7 +35,7 @@ disable_created_metrics()
 
 # Every series carries the model it describes (a server may serve several).
 MODEL_LABEL = "model_name"
-Family = GaugeMetricFamily | CounterMetricFamily
+Family = GaugeMetricFamily | CounterMetricFamily | SummaryMetricFamily
 ModelStats = tuple[str, dict[str, Any], bool]
 
 
@@ -60,6 +60,8 @@ class _EngineCollector(Collector):
 
 def _labelled(family: Family) -> Family:
     """An empty family like `family` (its samples get the model label as they are added)."""
+    if isinstance(family, SummaryMetricFamily):
+        return SummaryMetricFamily(family.name, family.documentation, labels=())
     kind = GaugeMetricFamily if isinstance(family, GaugeMetricFamily) else CounterMetricFamily
     return kind(family.name, family.documentation, labels=())
 
@@ -129,6 +131,14 @@ def _model_families(stats: dict[str, Any], ready: bool) -> Iterator[Family]:
     )
     yield from _disk_metrics(stats.get("prefix_cache_disk") or {})
     yield from _speculative_metrics(stats.get("speculative") or {})
+    vision = stats.get("vision") or {}
+    yield SummaryMetricFamily(
+        f"{p}_vision_seconds",
+        "Seconds in the vision tower (count: images it encoded; a prefix-cache hit "
+        "that covers an image skips it).",
+        count_value=int(_num(vision, "images")),
+        sum_value=_num(vision, "seconds"),
+    )
 
 
 def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Family]:

@@ -36,6 +36,7 @@ from mlxserve.api.structured import OutputConstraint, StructuredOutputError, con
 from mlxserve.chat import PromptError, PromptIds, PromptRequest, render_prompt
 from mlxserve.engine.request import Constraint, TokenEvent
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.vision import IMAGE_KEY_BASE, PromptImage
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +223,11 @@ def start_run(
     arrival: float,
     stops: Sequence[str] = (),
     constraint: Constraint | None = None,
+    images: tuple[PromptImage, ...] = (),
     **pipeline_options: Any,
 ) -> GenerationRun:
-    """Submit the prompt; the run yields the pipeline's output."""
+    """Submit the prompt (with its images' places, for a model that reads them); the run
+    yields the pipeline's output."""
     params = state.sampling_params(model, sampling, len(ids))
     if constraint is not None:
         params = replace(params, constraint=constraint)
@@ -234,10 +237,11 @@ def start_run(
         len(ids),
         stops=stops,
         logprobs=params.logprobs,
-        prompt_tail=ids[-CONTEXT_TOKENS:],
+        # (An image's keyed ids are no text the detokenizer could read.)
+        prompt_tail=[t for t in ids[-CONTEXT_TOKENS:] if t < IMAGE_KEY_BASE],
         **pipeline_options,
     )
-    events = state.submit(ids, params, meta.id)
+    events = state.submit(ids, params, meta.id, images=images)
     return GenerationRun(state, meta, pipeline, events, arrival)
 
 
@@ -265,6 +269,7 @@ async def start_chat(
         arrival,
         stops=gen.stops,
         constraint=constraint,
+        images=prompt.images,
         parser=parser,
         parallel_tool_calls=gen.parallel_tool_calls,
     )

@@ -18,6 +18,7 @@ from mlxserve.config import ServerConfig
 from mlxserve.engine.request import EngineNotReady, EngineOverloaded, SamplingParams, TokenEvent
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
+from mlxserve.models.vision import PromptImage
 from mlxserve.parsers import ParserSpec, resolve_parsers
 
 if TYPE_CHECKING:
@@ -64,7 +65,11 @@ class EngineLike(Protocol):
     def start(self) -> None: ...
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> AsyncIterator[TokenEvent]: ...
 
     def abort(self, request_id: str) -> None: ...
@@ -238,10 +243,17 @@ class ServerState:
             raise APIError(400, str(e)) from e
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        images: tuple[PromptImage, ...] = (),
     ) -> AsyncIterator[TokenEvent]:
         try:
-            events = self.engine.submit(prompt_ids, params, request_id)
+            if images:
+                events = self.engine.submit(prompt_ids, params, request_id, images=images)
+            else:
+                events = self.engine.submit(prompt_ids, params, request_id)
         except EngineOverloaded as e:
             raise APIError(
                 429,

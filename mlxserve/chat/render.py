@@ -7,10 +7,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mlxserve.chat.deepseek_v4 import Variant, encode_request
+from mlxserve.chat.images import ImagePart
 from mlxserve.chat.messages import PromptError
 from mlxserve.chat.template import render_template
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.prompt_format import PROGRAMMATIC_ENCODERS
+from mlxserve.models.vision import PromptImage, VisionError, VisionTower
 
 _VARIANTS: dict[str, Variant] = {"deepseek_v4": "v4", "deepseek_v41": "v41"}
 # Effort names clients send (OpenAI, Anthropic) that V4.1's encoder has no level for:
@@ -40,6 +42,9 @@ class PromptIds:
 
     text: str
     token_ids: list[int]
+    # Each image's place in `token_ids` (whose image positions hold content-keyed ids,
+    # `models/vision.py`), for a model that reads images.
+    images: tuple[PromptImage, ...] = ()
 
 
 def deepseek_request(request: PromptRequest) -> dict[str, Any]:
@@ -85,6 +90,10 @@ def render_prompt(model: LoadedModel, request: PromptRequest) -> PromptIds:
     """
     if not isinstance(request.chat_template_kwargs, Mapping):
         raise PromptError("'chat_template_kwargs' must be an object")
+    if model.vision is not None:
+        request, images = _image_placeholders(request, model.vision)
+        if images:
+            return _render_with_images(model, model.vision, request, images)
     text = render_text(model, request)
     if model.chat_encoder in PROGRAMMATIC_ENCODERS:
         add_special = False
@@ -93,3 +102,55 @@ def render_prompt(model: LoadedModel, request: PromptRequest) -> PromptIds:
         add_special = not (isinstance(bos, str) and bos and text.startswith(bos))
     ids = model.tokenizer.encode(text, add_special_tokens=add_special)
     return PromptIds(text=text, token_ids=[int(i) for i in ids])
+
+
+def _image_placeholders(
+    request: PromptRequest, tower: VisionTower
+) -> tuple[PromptRequest, list[ImagePart]]:
+    """The request with each image as a text block holding the processor's placeholder,
+    and the images in prompt order."""
+    images: list[ImagePart] = []
+
+    def place(part: Any) -> Any:
+        if not isinstance(part, ImagePart):
+            return part
+        images.append(part)
+        return {"type": "text", "text": tower.image_token}
+
+    messages = []
+    for msg in request.messages:
+        content = msg.get("content")
+        if isinstance(content, list) and any(isinstance(p, ImagePart) for p in content):
+            placed = [place(p) for p in content]
+            if tower.placeholder_joins_text:
+                placed = _joined(placed)
+            msg = {**msg, "content": placed}
+        messages.append(msg)
+    return replace(request, messages=messages), images
+
+
+def _joined(parts: list[Any]) -> list[Any]:
+    """A content list of text blocks as one block, its texts with nothing between: how
+    mlx-vlm's processor renders a content list that holds images (DeepSeek-V4). Any
+    other part leaves the list as it is, for the renderer to refuse."""
+    texts = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("type", "text") != "text":
+            return parts
+        if not isinstance(part.get("text"), str):
+            return parts
+        texts.append(part["text"])
+    return [{"type": "text", "text": "".join(texts)}]
+
+
+def _render_with_images(
+    model: LoadedModel, tower: VisionTower, request: PromptRequest, images: list[ImagePart]
+) -> PromptIds:
+    """The chat template's text, then mlx-vlm's processor: it expands each placeholder
+    to the image's token count and tokenizes, as the checkpoint's own pipeline does."""
+    text = render_text(model, request)
+    try:
+        ids, placed = tower.prepare(text, [(image.data, image.sha256) for image in images])
+    except VisionError as e:
+        raise PromptError(str(e)) from e
+    return PromptIds(text=text, token_ids=ids, images=tuple(placed))

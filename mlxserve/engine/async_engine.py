@@ -32,6 +32,7 @@ from mlxserve.engine.request import (
     TokenEvent,
 )
 from mlxserve.models.loaded import LoadedModel
+from mlxserve.models.vision import PromptImage, text_positions
 
 if TYPE_CHECKING:
     from mlxserve.engine.distributed.publisher import PlanPublisher
@@ -118,7 +119,11 @@ class AsyncEngine:
 
     # -- requests -----------------------------------------------------------
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        images: tuple[PromptImage, ...] = (),
     ) -> AsyncIterator[TokenEvent]:
         """Queue a request; its events arrive through the returned iterator.
 
@@ -128,7 +133,7 @@ class AsyncEngine:
         if self._core.failure is not None:
             raise EngineNotReady(f"the engine failed: {self._core.failure}")
         model = self.model
-        self._validate(prompt_ids, params, model)
+        self._validate(prompt_ids, params, model, images)
         if self._num_waiting() >= self.config.max_waiting:
             raise EngineOverloaded(
                 f"{self.config.max_waiting} requests are already waiting; retry shortly"
@@ -139,13 +144,23 @@ class AsyncEngine:
         events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self._queues[request_id] = events
         request = Request(request_id, list(prompt_ids), params, time.monotonic())
+        request.images = tuple(images)
+        if images and model.vision is not None and model.vision.whole_prefill:
+            request.whole_until = max(image.end for image in images)
         self._core.add(request)
         return self._stream(request_id, events, request.arrival_time)
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams, model: LoadedModel) -> None:
+    def _validate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        model: LoadedModel,
+        images: tuple[PromptImage, ...] = (),
+    ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= token < model.vocab_size for token in prompt_ids):
+        text = text_positions(prompt_ids, images, model)
+        if any(not 0 <= prompt_ids[i] < model.vocab_size for i in text):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
         limit = self.config.max_model_len
         if limit is not None and len(prompt_ids) >= limit:
@@ -311,4 +326,6 @@ class AsyncEngine:
         stats["prefix_cache"] = asdict(prefix_cache.stats()) if prefix_cache is not None else None
         disk = self._core.disk
         stats["prefix_cache_disk"] = asdict(disk.stats()) if disk is not None else None
+        runner = self._core.runner
+        stats["vision"] = asdict(runner.vision.counters) if runner is not None else None
         return stats

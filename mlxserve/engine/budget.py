@@ -142,9 +142,16 @@ class KVBudget:
     batched: bool
     pool: KVPool | None = None
     member: str = ""
+    # Bytes of one image position's features, held while its prompt prefills (a vision
+    # checkpoint; 0 for a text model).
+    feature_bytes_per_position: int = 0
 
     def total(self, lengths: Sequence[int]) -> int:
         return self.cost.total(lengths, self.batched)
+
+    def held(self, lengths: Sequence[int], image_positions: int) -> int:
+        """Caches of these lengths, and the features of `image_positions` image positions."""
+        return self.total(lengths) + self.feature_bytes_per_position * image_positions
 
     @property
     def whole_bytes(self) -> int:

@@ -336,8 +336,10 @@ class EngineCore:
         self.weight_bytes = weights_nbytes(getattr(model.model, "module", model.model))
         if runner.tap.drafter is not None:  # the MTP head's own weights
             self.weight_bytes += weights_nbytes(runner.tap.drafter.head.drafter)
+        # A vision checkpoint's image features, held while their prompt prefills.
+        features = model.vision.feature_bytes_per_position() if model.vision else 0
         if self._pool is None:
-            return KVBudget(self._own_budget(cost), cost, runner.batchable)
+            return KVBudget(self._own_budget(cost), cost, runner.batchable, None, "", features)
         pool = self._pool
         pool.join(self._member, self.weight_bytes, lambda: self._inbox.put(_Wake()))
         logger.info(
@@ -348,7 +350,7 @@ class EngineCore:
             cost.fixed_bytes,
             cost.bytes_per_token,
         )
-        return KVBudget(pool.total_bytes, cost, runner.batchable, pool, self._member)
+        return KVBudget(pool.total_bytes, cost, runner.batchable, pool, self._member, features)
 
     @staticmethod
     def _probe_cost(runner: Runner) -> CacheCost:

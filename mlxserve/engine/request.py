@@ -5,7 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxserve.models.vision import PromptImage
 
 
 class EngineOverloaded(RuntimeError):
@@ -164,6 +167,32 @@ class Request:
     # After a preemption the cache is rebuilt from prompt + output (None: the prompt).
     fill_ids: list[int] | None = None
     preemptions: int = 0
+    # Images in the prompt (a model that reads them): their positions in `prompt_ids`
+    # hold content-keyed ids past the vocabulary, fed as the image's features.
+    images: tuple[PromptImage, ...] = ()
+    # A model that reads a prompt's images only in one forward from its start
+    # (`VisionTower.whole_prefill`, DeepSeek-V4): the first prefill chunk reaches this
+    # position (the end of the last image), and a prefix-cache hit is used only if it
+    # covers it. 0: chunks are cut anywhere.
+    whole_until: int = 0
+
+    def token_ids(self, ids: list[int]) -> list[int]:
+        """`ids` (from this request's context) without its image positions' keyed ids:
+        what penalties and prompt-lookup drafts may read as text."""
+        if not self.images:
+            return ids
+        from mlxserve.models.vision import IMAGE_KEY_BASE
+
+        return [t for t in ids if t < IMAGE_KEY_BASE]
+
+    @property
+    def feature_positions(self) -> int:
+        """Image positions whose features the runner may hold for this request: each image
+        its prefill has not passed (the runner keeps an image's features from the chunk
+        that first reaches it until a chunk passes its end)."""
+        if self.status == RequestStatus.RUNNING:
+            return 0
+        return sum(image.length for image in self.images if image.end > self.num_computed)
 
     @property
     def num_prompt(self) -> int:

@@ -73,6 +73,7 @@ from mlxserve.engine.sampling import (
 from mlxserve.engine.snapshots import SnapshotTaker
 from mlxserve.engine.spec.mtp_drafter import HiddenTap, decode_positions
 from mlxserve.engine.spec.verify_step import VerifyStep
+from mlxserve.engine.vision_inputs import VisionInputs
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.quantized_cache import query_heads
 
@@ -131,6 +132,7 @@ class Runner:
         self.batch = DecodeBatch()
         self.samplers: dict[str, SamplerState] = {}
         self.snapshots = SnapshotTaker(fault)
+        self.vision = VisionInputs(model.vision)
         self.tap = HiddenTap(model)  # the forwards; an MTP drafter, if set, reads their states
         self.verify = VerifyStep(model, self.tap, probe, self.batchable, fault)
         eos = min(model.eos_token_ids) if model.eos_token_ids else 0
@@ -146,6 +148,7 @@ class Runner:
             self.batch.remove(gone)
         finally:
             self.joining = [rid for rid in self.joining if rid not in gone]
+            self.vision.forget(gone)
             for request_id in gone:
                 self.caches.pop(request_id, None)
                 self.samplers.pop(request_id, None)
@@ -156,6 +159,7 @@ class Runner:
             return
         self.batch.remove(set(request_ids))
         self.joining = [rid for rid in self.joining if rid not in request_ids]
+        self.vision.forget(request_ids)
         for request_id in request_ids:
             self.caches.pop(request_id, None)
 
@@ -164,6 +168,7 @@ class Runner:
         self.caches.clear()
         self.joining = []
         self.samplers.clear()
+        self.vision.clear()
         self.batch = DecodeBatch()
         mx.clear_cache()
 
@@ -228,7 +233,7 @@ class Runner:
     def ensure_sampler(self, request: Request) -> None:
         if request.request_id not in self.samplers:
             self.samplers[request.request_id] = new_sampler_state(
-                request.params, request.prompt_ids, self.grammar
+                request.params, request.token_ids(request.prompt_ids), self.grammar
             )
 
     def _release_finished(self, request_ids: list[str], result: StepResult) -> None:
@@ -246,7 +251,9 @@ class Runner:
 
         def groupable(c: PrefillChunk) -> bool:
             first = c.start == 0 and c.is_last and c.initial_cache is None
-            return first and c.request.request_id not in self.caches
+            # A prompt with images is fed embeddings, chunk by chunk, alone.
+            alone = bool(c.request.images)
+            return first and not alone and c.request.request_id not in self.caches
 
         group = pick_group(chunks, groupable)
         ready = []
@@ -307,13 +314,14 @@ class Runner:
                 cache = chunk.initial_cache or self.model.make_cache()
                 self.caches[rid] = cache
             self.ensure_sampler(chunk.request)
-            context = chunk.request.context_ids
-            tokens = mx.array([context[chunk.start : chunk.end]], dtype=mx.int32)
+            ids = self.vision.model_ids(chunk.request, chunk.start, chunk.end)
+            tokens = mx.array([ids], dtype=mx.int32)
             started = time.perf_counter()
             self._check(faults.FORWARD, [rid])
             start = self._feed_leading_pieces(chunk, cache)
             tokens = tokens[:, start - chunk.start :]
-            logits = self.tap.last_logits(tokens, cache, [(rid, start)])
+            embeddings = self.vision.embeddings(chunk.request, start, chunk.end)
+            logits = self.tap.last_logits(tokens, cache, [(rid, start)], embeddings)
             return _BuiltChunk(chunk, cache, logits, time.perf_counter() - started)
         except Exception as e:  # a failing step fails its request, not the engine
             logger.exception("prefill failed for request %s", rid)
@@ -323,11 +331,15 @@ class Runner:
     def _feed_leading_pieces(self, chunk: PrefillChunk, cache: list[Any]) -> int:
         """Feed a long chunk's leading pieces over a quantized cache now
         (`kv_quantize.leading_pieces`); returns where the rest starts."""
-        context, rid = chunk.request.context_ids, chunk.request.request_id
+        rid = chunk.request.request_id
         rest = chunk.start
+        if chunk.start < chunk.request.whole_until:  # one forward, never cut
+            return rest
         for start, end in leading_pieces(chunk, self.kv_quant, self.cost, self.query_heads):
-            inputs = mx.array([context[start:end]], dtype=mx.int32)
-            self._feed_only(self.tap.last_logits(inputs, cache, [(rid, start)]), cache)
+            inputs = mx.array([self.vision.model_ids(chunk.request, start, end)], dtype=mx.int32)
+            embeddings = self.vision.embeddings(chunk.request, start, end)
+            logits = self.tap.last_logits(inputs, cache, [(rid, start)], embeddings)
+            self._feed_only(logits, cache)
             rest = end
         return rest
 
@@ -346,6 +358,7 @@ class Runner:
             result.prefill_chunks.append((chunk.num_tokens, elapsed))
             output = RequestOutput(rid, computed=chunk.end)
             if chunk.is_last:
+                self.vision.forget([rid])
                 output.sampled = self._sample(built.logits, [request])[0]
             result.prefill_tokens += chunk.num_tokens
             if chunk.snapshot_after:

@@ -43,6 +43,12 @@ RECENT_STATUS_LIMIT = 4096
 MIN_BRANCH_TOKENS = 32
 
 
+def image_positions_held(requests: list[Request]) -> int:
+    """Image positions whose features these requests may hold (`Request.feature_positions`):
+    the admission counts them as it counts prompt tokens."""
+    return sum(request.feature_positions for request in requests)
+
+
 @dataclass
 class SchedulerCounters:
     finished: int = 0
@@ -172,7 +178,7 @@ class Scheduler:
         if not plan.completed:
             self._admit_waiting()
         self._plan_prefills(plan)
-        self._fit_prefix_cache([])
+        self._fit_prefix_cache()
         self._publish_holding()
         return plan
 
@@ -213,6 +219,8 @@ class Scheduler:
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
         end = start + min(budget, request.prefill_remaining)
+        if start < request.whole_until:  # its images in one forward from the start
+            end = max(end, request.whole_until)
         # A resumed request also stops at the prompt's end: that is a snapshot point.
         prompt_end = request.num_prompt if request.fill_ids is not None else None
         for boundary in (request.branch_at, prompt_end):
@@ -249,12 +257,23 @@ class Scheduler:
     def _lengths(self, reserve: bool) -> list[int]:
         return [r.cached_len + (self._reserve(r) if reserve else 0) for r in self.running]
 
+    def _held(self, reserve: bool, admitting: Request | None = None) -> int:
+        """Bytes the running requests (and one being admitted) may hold: their caches,
+        with `reserve` tokens to decode into, and the features of their images."""
+        assert self.memory is not None
+        lengths = self._lengths(reserve)
+        requests = list(self.running)
+        if admitting is not None:
+            lengths.append(admitting.num_fill + (self._reserve(admitting) if reserve else 0))
+            requests.append(admitting)
+        return self.memory.held(lengths, image_positions_held(requests))
+
     def _preempt_for_memory(self, plan: StepPlan) -> None:
         memory = self.memory
         if memory is None:
             return
-        while self.running and memory.total(self._lengths(False)) > memory.room():
-            alone = memory.total(self._lengths(False)) > memory.whole_bytes
+        while self.running and self._held(False) > memory.room():
+            alone = self._held(False) > memory.whole_bytes
             if len(self.running) == 1 and (memory.pool is None or alone):
                 self.fail(self.running[0].request_id, self._no_room_message())
                 return
@@ -284,16 +303,15 @@ class Scheduler:
         memory = self.memory
         if memory is None:
             return True
-        lengths = [*self._lengths(True), request.num_fill + self._reserve(request)]
-        return memory.claim(memory.total(lengths))
+        return memory.claim(self._held(True, request))
 
-    def _fit_prefix_cache(self, extra: list[int]) -> None:
+    def _fit_prefix_cache(self, admitting: Request | None = None) -> None:
         """Evict prefix-cache entries until it fits beside the running caches (and gives
         way to what another model waits for)."""
         memory, cache = self.memory, self.prefix_cache
         if memory is None or cache is None:
             return
-        room = memory.prefix_room() - memory.total([*self._lengths(False), *extra])
+        room = memory.prefix_room() - self._held(False, admitting)
         cache.set_limit(max(0, min(self._prefix_cache_max, room)))
 
     def _publish_holding(self) -> None:
@@ -301,7 +319,7 @@ class Scheduler:
         memory = self.memory
         if memory is None or memory.pool is None:
             return
-        held = memory.total(self._lengths(False))
+        held = self._held(False)
         if self.prefix_cache is not None:
             held += self.prefix_cache.nbytes
         memory.publish(held, self._waiting_for)
@@ -324,7 +342,7 @@ class Scheduler:
                 if self.running:
                     return  # it waits until running requests free memory
                 assert self.memory is not None
-                need = self.memory.total([head.num_fill + 1])
+                need = self.memory.held([head.num_fill + 1], image_positions_held([head]))
                 if need > self.memory.whole_bytes:
                     self.fail(head.request_id, self._no_room_message())
                     continue
@@ -333,7 +351,7 @@ class Scheduler:
                     self._waiting_for = need
                     return
             self.waiting.popleft()
-            self._fit_prefix_cache([head.num_fill])
+            self._fit_prefix_cache(head)
             try:
                 self._admit(head)
             except Exception as e:  # a failing admission fails its request, not the step
@@ -350,15 +368,20 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         context = request.context_ids
+        # A hit that ends before an image the model must read in one forward is not used.
+        usable = (
+            request.whole_until == 0 or self.prefix_cache.reusable(context) >= request.whole_until
+        )
         # A fresh prompt snapshots at its end, superseding the entry it extends.
-        hit = self.prefix_cache.lookup(context, take=request.fill_ids is None)
+        hit = self.prefix_cache.lookup(context, take=request.fill_ids is None) if usable else None
         if hit is not None:
             request.num_computed = hit.key_len
             if request.preemptions == 0:
                 request.cached_tokens = hit.key_len
             request.cache = hit.cache
         shared = self.prefix_cache.shared_prefix_len(context)
-        if request.num_computed + MIN_BRANCH_TOKENS <= shared < request.num_prompt:
+        branch_from = max(request.num_computed + MIN_BRANCH_TOKENS, request.whole_until)
+        if branch_from <= shared < request.num_prompt:
             request.branch_at = shared
 
     # -- results ------------------------------------------------------------

@@ -67,11 +67,37 @@ class ModelAdapter:
             raise ValueError(f"{self.model_type} does not expose its hidden states")
 
     def last_logits(
-        self, inputs: mx.array, cache: list[Any] | None = None, sink: list[Any] | None = None
+        self,
+        inputs: mx.array,
+        cache: list[Any] | None = None,
+        sink: list[Any] | None = None,
+        embeddings: mx.array | None = None,
     ) -> mx.array:
-        """Logits of the last input position of each row, shape (B, V); `sink` as above."""
+        """Logits of the last input position of each row, shape (B, V); `sink` as above.
+        `embeddings` (B, L, hidden), a prompt with images: fed in place of the inputs'
+        token embeddings (mlx-lm's `input_embeddings`)."""
         with uncompiled_unless_bounded(inputs.shape[1]):
+            if embeddings is not None:
+                return self._embedded_last_logits(inputs, cache, embeddings)
             return self._last_logits(inputs, cache, sink)
+
+    def _embedded_last_logits(
+        self, inputs: mx.array, cache: list[Any] | None, embeddings: mx.array
+    ) -> mx.array:
+        if self._is_vlm_v4:
+            # `inputs` hold the image sentinels: its gates and attention mask read them.
+            hidden = self.module.model(inputs, cache=cache, inputs_embeds=embeddings)[:, -1:, :]
+            return self.module.lm_head(hidden)[:, -1, :]
+        if self.model_type not in _PLAIN_HEAD_TYPES:
+            raise ValueError(f"{self.model_type} takes no input embeddings here")
+        hidden = self.module.model(inputs, cache, embeddings)[:, -1:, :]
+        return self._head(hidden)[:, -1, :]
+
+    def _head(self, hidden: mx.array) -> mx.array:
+        tied = getattr(getattr(self.module, "args", None), "tie_word_embeddings", False)
+        if tied or not hasattr(self.module, "lm_head"):
+            return self.module.model.embed_tokens.as_linear(hidden)
+        return self.module.lm_head(hidden)
 
     def _last_logits(
         self, inputs: mx.array, cache: list[Any] | None, sink: list[Any] | None
@@ -84,12 +110,7 @@ class ModelAdapter:
             return self.module.lm_head(hidden)[:, -1, :]
         if self.model_type in _PLAIN_HEAD_TYPES:
             hidden = self.module.model(inputs, cache)[:, -1:, :]
-            tied = getattr(getattr(self.module, "args", None), "tie_word_embeddings", False)
-            if tied or not hasattr(self.module, "lm_head"):
-                logits = self.module.model.embed_tokens.as_linear(hidden)
-            else:
-                logits = self.module.lm_head(hidden)
-            return logits[:, -1, :]
+            return self._head(hidden)[:, -1, :]
         return self._logits(inputs, cache, None)[:, -1, :]
 
     def make_cache(self) -> list[Any]:

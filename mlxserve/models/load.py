@@ -14,6 +14,13 @@ from mlxserve.models.progress import LoadProgress
 from mlxserve.models.prompt_format import check_renderable, choose_encoder
 from mlxserve.models.tiny.scripted import is_scripted, load_checkpoint
 from mlxserve.models.tokenizer import load_tokenizer
+from mlxserve.models.vision import (
+    VISION_TYPES,
+    VisionTower,
+    has_vision_tower,
+    load_tower,
+    load_vision,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +54,7 @@ def _check_files(path: Path) -> None:
 def _check_supported(path: Path, config: dict[str, Any]) -> None:
     """Fail now, not minutes into a load, when no library has a module for this family."""
     model_type = config["model_type"]
-    if model_type in VLM_TYPES or config.get("model_file"):
+    if model_type in VLM_TYPES | VISION_TYPES or config.get("model_file"):
         return  # mlx-vlm's module, or one the checkpoint ships (mlx-lm checks it at load)
     import importlib.util
 
@@ -63,7 +70,7 @@ def _check_supported(path: Path, config: dict[str, Any]) -> None:
     if not any(importlib.util.find_spec(f"mlx_lm.models.{m}") for m in names):
         raise ModelLoadError(
             f"model_type {model_type!r} in {path / 'config.json'} is not supported by mlx-lm "
-            f"(nor mlx-vlm's {', '.join(sorted(VLM_TYPES))})"
+            f"(nor mlx-vlm's {', '.join(sorted(VLM_TYPES | VISION_TYPES))})"
         )
 
 
@@ -92,14 +99,22 @@ ShardFn = Callable[[Any, str], None]
 
 def _load_module(
     path: Path, config: dict[str, Any], progress: LoadProgress, shard: ShardFn | None = None
-) -> Any:
-    """The model module, its weights materialised slice by slice (progress by bytes).
+) -> tuple[Any, Any]:
+    """The language module and, for a vision checkpoint, mlx-vlm's whole model (else
+    None), their weights materialised slice by slice (progress by bytes).
 
     `shard` (distributed serving) cuts the module to this rank's part first, so
     only that part's weights are read."""
     model_type = config["model_type"]
     progress.enter("module")
-    if model_type in VLM_TYPES:
+    vlm: Any = None
+    # DeepSeek-V4 sharded across ranks is served as before, reading text only.
+    blind = shard is not None and model_type in VLM_TYPES
+    if has_vision_tower(config) and not blind:
+        if shard is not None:
+            raise ModelLoadError(f"{model_type} vision checkpoints cannot be served distributed")
+        module, vlm = load_vision(path, config)
+    elif model_type in VLM_TYPES:
         from mlx_vlm.utils import load_model as vlm_load_model
 
         module = vlm_load_model(path, lazy=True).language_model
@@ -114,8 +129,8 @@ def _load_module(
             ) from e
     if shard is not None:
         shard(module, model_type)
-    _materialise(module, progress)
-    return module
+    _materialise(vlm if vlm is not None else module, progress)
+    return module, vlm
 
 
 def _materialise(module: Any, progress: LoadProgress) -> None:
@@ -202,12 +217,14 @@ def load(
         return _load_scripted(path, config, encoder)
     logger.info("loading %s model from %s", model_type, path)
     try:
-        module = _load_module(path, config, progress, shard)
+        module, vlm = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
         tokenizer = load_tokenizer(path, config.get("eos_token_id")) if with_tokenizer else None
+        tower = _load_tower(path, vlm, config) if vlm is not None and with_tokenizer else None
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
-    adapter = ModelAdapter(module, model_type)
+    # A vision checkpoint's language model runs as its own family does alone.
+    adapter = ModelAdapter(module, _language_type(config))
     loaded = LoadedModel(
         model=adapter,
         tokenizer=tokenizer,
@@ -219,6 +236,8 @@ def load(
         chat_encoder=encoder,
         vocab_size=_vocab_size(tokenizer, config),
         min_prefill_chunk=min_prefill_chunk(model_type),
+        reads_images=tower is not None,
+        vision=tower,
     )
     if shard is not None:
         # What this rank holds (its measured cache cost differs from another rank's).
@@ -230,6 +249,23 @@ def load(
     progress.enter("ready")
     logger.info("loaded %s (%s, chat encoder %s)", path, model_type, loaded.chat_encoder)
     return loaded
+
+
+def _load_tower(path: Path, vlm: Any, config: dict[str, Any]) -> VisionTower:
+    if config["model_type"] == "deepseek_v4":
+        from mlx_vlm.utils import load_processor
+
+        from mlxserve.models.deepseek_v4.vision import DeepseekV4Tower
+
+        processor = load_processor(path, add_detokenizer=False)
+        return DeepseekV4Tower(vlm, processor, int(config["vocab_size"]))
+    return load_tower(path, vlm, config)
+
+
+def _language_type(config: dict[str, Any]) -> str:
+    if config["model_type"] in VISION_TYPES:
+        return str(config["text_config"]["model_type"])
+    return str(config["model_type"])
 
 
 def _load_scripted(path: Path, config: dict[str, Any], encoder: str) -> LoadedModel:

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxserve.models.vision import VisionTower
 
 
 def directory_signature(path: Path) -> tuple[Any, ...] | None:
@@ -48,8 +51,9 @@ class LoadedModel:
     # Prefill chunks shorter than this cost more than one this long (see
     # `load.min_prefill_chunk`), so the scheduler does not cut shorter ones.
     min_prefill_chunk: int = 1
-    # Whether the model has a vision tower its prompts can place images for. No loader
-    # sets it yet (issue 44's vision work); until then every image meets the server's
-    # --images-for-text-models policy.
+    # Whether the model has a vision tower its prompts can place images for (`vision`);
+    # for any other model every image meets the server's --images-for-text-models policy.
     reads_images: bool = False
+    # The vision tower and its processor (`models/vision.py`), or None.
+    vision: VisionTower | None = None
     extra: dict[str, Any] = field(default_factory=dict)

@@ -137,7 +137,7 @@ class Speculator:
         for request, pace in zip(decodes, paces, strict=True):
             # Never draft past max_tokens: the token after the drafts is sampled too.
             k = min(pace.k, request.params.max_tokens - len(request.output_ids) - 1)
-            context = request.prompt_ids + request.output_ids
+            context = request.token_ids(request.prompt_ids) + request.output_ids
             drafts = self.drafter.propose(request.request_id, context, k) if k > 0 else []
             if not drafts:
                 return {}

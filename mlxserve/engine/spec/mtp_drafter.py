@@ -162,10 +162,19 @@ class HiddenTap:
         self.drafter: MtpDrafter | None = None
 
     def last_logits(
-        self, inputs: mx.array, cache: list[Any], rows: list[tuple[str, int]]
+        self,
+        inputs: mx.array,
+        cache: list[Any],
+        rows: list[tuple[str, int]],
+        embeddings: mx.array | None = None,
     ) -> mx.array:
-        """(B, V) logits of each row's last position; every fed position is kept."""
+        """(B, V) logits of each row's last position; every fed position is kept.
+        `embeddings` (a prompt with images): the inputs' embeddings, fed instead."""
         model = self.loaded.model
+        if embeddings is not None:
+            if self.drafter is not None:
+                raise ValueError("speculative decoding with an MTP head takes no images")
+            return cast(mx.array, model.last_logits(inputs, cache, embeddings=embeddings))
         if self.drafter is None:
             return cast(mx.array, model.last_logits(inputs, cache))
         sink: list[mx.array] = []

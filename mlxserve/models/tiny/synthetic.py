@@ -200,6 +200,14 @@ def _instantiate(config: dict) -> Any:
         from mlx_vlm.models.deepseek_v4 import Model, ModelConfig
 
         return Model(ModelConfig.from_dict(config))
+    if config["model_type"] == "llava":
+        from mlx_vlm.models import llava
+        from mlx_vlm.utils import update_module_configs
+
+        # mlx-vlm's own construction: the nested configs become their dataclasses.
+        model_config = llava.ModelConfig.from_dict(config)
+        model_config = update_module_configs(model_config, llava, config, ["text", "vision"])
+        return llava.Model(model_config)
     # Our synthetic families are mlx-lm module names as they are (no remapping).
     arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     return arch.Model(arch.ModelArgs.from_dict(config))
@@ -222,7 +230,8 @@ def random_weights(config: dict, seed: int) -> dict[str, Any]:
                 0, config["n_routed_experts"], value.shape, dtype=mx.int32, key=sub
             )
         elif name.endswith("lm_head.weight"):
-            scale = LOGIT_STD / (config["hidden_size"] ** 0.5)
+            hidden = config.get("text_config", config)["hidden_size"]
+            scale = LOGIT_STD / (hidden**0.5)
             weights[name] = mx.random.normal(value.shape, key=sub) * scale
         elif name.endswith("embed_tokens.weight"):
             weights[name] = mx.random.normal(value.shape, key=sub)
@@ -272,16 +281,20 @@ def make_model(
         weights.update(random_mtp_weights(config, seed))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    write_tokenizer(out, {"llama": LLAMA_TEMPLATE, "qwen3": QWEN3_TEMPLATE}.get(family))
+    return out
+
+
+def write_tokenizer(out: Path, template: str | None) -> None:
+    """The DeepSeek tokenizer's files, with `template` as the chat template if given."""
     source = tokenizer_dir()
     shutil.copyfile(source / "tokenizer.json", out / "tokenizer.json")
     tokenizer_config = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
-    template = {"llama": LLAMA_TEMPLATE, "qwen3": QWEN3_TEMPLATE}.get(family)
     if template is not None:
         tokenizer_config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(
         json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8"
     )
-    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,81 @@
+"""The tiny LLaVA checkpoint of the vision tests, its images, and mlx-vlm's own greedy run."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from mlxserve.chat import PromptRequest, render_prompt
+from mlxserve.chat.images import ImagePart
+from mlxserve.cli import main as cli_main
+from mlxserve.models.loaded import LoadedModel
+
+
+def make_checkpoint(out: Path) -> Path:
+    """The checkpoint, written by `mlxserve make-model OUT --family llama --vision`."""
+    assert cli_main(["make-model", str(out), "--family", "llama", "--vision"]) == 0
+    return out
+
+
+def noise_png(seed: int, size: tuple[int, int] = (60, 40)) -> bytes:
+    """A PNG of seeded noise (different seeds: different pixels, and features)."""
+    width, height = size
+    pixels = bytes((seed * 131 + i * 7919 + (i * i) % 253) % 256 for i in range(width * height * 3))
+    buf = io.BytesIO()
+    Image.frombytes("RGB", size, pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_part(data: bytes) -> ImagePart:
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    return ImagePart(data, "image/png", width, height, hashlib.sha256(data).hexdigest())
+
+
+def chat(model: LoadedModel, text: str, *images: bytes) -> Any:
+    """A one-turn user message with `images` before `text`, rendered (PromptIds)."""
+    content: list[Any] = [image_part(data) for data in images]
+    content.append({"type": "text", "text": text})
+    return render_prompt(model, PromptRequest([{"role": "user", "content": content}]))
+
+
+class Oracle:
+    """mlx-vlm's own single-request greedy generation on the checkpoint: its model, its
+    processor, its generate (the prompt text is the same rendered chat)."""
+
+    def __init__(self, path: Path) -> None:
+        from mlx_vlm.utils import load_model, load_processor
+
+        self.model = load_model(path)
+        self.processor = load_processor(path)
+
+    def _inputs(self, text: str, images: list[bytes]) -> tuple[Any, dict[str, Any]]:
+        """The processor's output, and the family's own image metadata in it (DeepSeek-V4:
+        grids, offsets, layout types)."""
+        pictures = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        # mlx-vlm's processor, called as its `prepare_inputs` would but without the
+        # `padding` argument transformers 5's image processors refuse for LLaVA.
+        inputs = self.processor(text=[text], images=pictures or None)
+        plain = ("input_ids", "attention_mask", "pixel_values")
+        return inputs, {key: value for key, value in inputs.items() if key not in plain}
+
+    def tokens(self, text: str, images: list[bytes], max_tokens: int) -> list[int]:
+        from mlx_vlm import generate
+
+        inputs, metadata = self._inputs(text, images)
+        result = generate(
+            self.model,
+            self.processor,
+            text,
+            input_ids=inputs["input_ids"],
+            pixel_values=inputs.get("pixel_values"),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            verbose=False,
+            **metadata,
+        )
+        return [int(t) for t in result.token_ids]
