@@ -38,9 +38,10 @@ browser:
 
 # Three workers on two cores: the tests keep both busy (two workers left a third of the
 # CPU idle). The mlx.launch tests are one module, so one worker runs them one after
-# another, first (tests/conftest.py), while the other two share out the rest.
+# another, first (tests/conftest.py orders them first; --no-loadscope-reorder keeps
+# that order instead of xdist's most-tests-first, which left them running alone last).
 test: lint browser
-	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile
+	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # docs/dashboard.png, the README's picture of the operator page, from a live server under load.
 screenshot: $(VENV)/.installed-dev browser
