@@ -121,11 +121,9 @@ class VisionTower:
         self.image_token: str = processor.image_token
 
     # -- the render worker thread ----------------------------------------------
-    def prepare(
-        self, text: str, images: Sequence[tuple[bytes, str]]
-    ) -> tuple[list[int], list[PromptImage]]:
-        """The prompt ids of `text` (each image placeholder expanded by the processor and
-        keyed by content) and each image's place; `images` are (bytes, sha256) in order."""
+    def check_placeholders(self, text: str, images: Sequence[tuple[bytes, str]]) -> None:
+        """VisionError unless `text` holds one placeholder per image (a message's own text
+        holding the placeholder would take an image's place)."""
         placeholders = text.count(self.image_token)
         if placeholders != len(images):
             raise VisionError(
@@ -133,6 +131,13 @@ class VisionTower:
                 f"({self.image_token!r}) for {len(images)} image(s); a message's text may "
                 "not contain the placeholder itself"
             )
+
+    def prepare(
+        self, text: str, images: Sequence[tuple[bytes, str]]
+    ) -> tuple[list[int], list[PromptImage]]:
+        """The prompt ids of `text` (each image placeholder expanded by the processor and
+        keyed by content) and each image's place; `images` are (bytes, sha256) in order."""
+        self.check_placeholders(text, images)
         pictures = [decode_image(data) for data, _ in images]
         # mlx-vlm's processors hand back MLX arrays made from numpy ones (no computation);
         # they become numpy again at once.

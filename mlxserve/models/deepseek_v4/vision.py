@@ -54,13 +54,7 @@ class DeepseekV4Tower(VisionTower):
     def prepare(
         self, text: str, images: Sequence[tuple[bytes, str]]
     ) -> tuple[list[int], list[PromptImage]]:
-        placeholders = text.count(self.image_token)
-        if placeholders != len(images):
-            raise VisionError(
-                f"the prompt holds {placeholders} image placeholder(s) "
-                f"({self.image_token!r}) for {len(images)} image(s); a message's text may "
-                "not contain the placeholder itself"
-            )
+        self.check_placeholders(text, images)
         if not images:
             out = self.processor.tokenizer.encode(text, add_special_tokens=False)
             return [int(i) for i in out], []
