@@ -1,8 +1,9 @@
 """Images through the engine on the tiny LLaVA checkpoint (`make-model --family llama --vision`).
 
 Greedy tokens for an image prompt equal mlx-vlm's own generation on the same checkpoint
-and image: alone, batched with text requests and another image, and prefilled in chunks
-of at most 5 tokens, so chunk boundaries fall inside the 16-position image span. Image
+and image: alone, batched with another image and two text requests (one long, prefilled
+in several chunks), and prefilled in chunks of at most 5 tokens, so chunk boundaries fall
+inside the 16-position image span. Image
 positions are keyed by the image's hash: the same image re-sent is a prefix-cache hit
 (RAM, and the disk tier across a restart) that skips the vision tower; another image at
 the same positions shares only the text before it.
@@ -30,6 +31,7 @@ from mlxserve.models.vision import IMAGE_KEY_BASE
 MAX_TOKENS = 6
 SHOT = noise_png(1)
 OTHER = noise_png(2)
+LONG = "Count the words: " + " ".join(f"word{i}" for i in range(40))
 
 
 @pytest.fixture
@@ -95,19 +97,22 @@ def test_image_positions_hold_ids_derived_from_the_image(model: LoadedModel) -> 
 def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_with_text(
     model: LoadedModel, oracle: Oracle
 ) -> None:
+    """A batch of 4 (two images, two texts, one of them long) under a 24-token chunk
+    budget: the long prompt prefills in several chunks, and each row gets its tokens."""
     shot = chat(model, "What is in the picture?", SHOT)
     other = chat(model, "And this one?", OTHER)
-    texts = [chat(model, "Say something."), chat(model, "Count to three, slowly please.")]
+    texts = [chat(model, "Say something."), chat(model, LONG)]
     want = [_expected(oracle, shot, SHOT), _expected(oracle, other, OTHER)]
     want += [_expected(oracle, t) for t in texts]
-    no_cache = EngineConfig(prefix_cache=False)
-    (alone,), _ = _run(model, no_cache, [shot], one_by_one=True)
+    (alone,), _ = _run(model, EngineConfig(prefix_cache=False), [shot], one_by_one=True)
     assert alone[0] == want[0]
     # usage: the image's positions are prompt tokens.
     assert alone[1].prompt_tokens == len(shot.token_ids)
-    batch, stats = _run(model, no_cache, [shot, texts[0], other, texts[1]], one_by_one=False)
+    chunked = EngineConfig(prefix_cache=False, max_prefill_tokens=24)
+    batch, stats = _run(model, chunked, [shot, texts[0], other, texts[1]], one_by_one=False)
     assert [tokens for tokens, _ in batch] == [want[0], want[2], want[1], want[3]]
     assert stats["vision"]["images"] == 2
+    assert len(texts[1].token_ids) >= 3 * 24 and stats["steps"] >= len(texts[1].token_ids) // 24
 
 
 def test_chunk_boundaries_inside_an_image_span_give_the_same_tokens(
