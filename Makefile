@@ -53,6 +53,7 @@ screenshot: $(VENV)/.installed-dev browser
 # The real agent clients (installed from npm) against a scripted checkpoint; not part of CI.
 e2e-clients: $(VENV)/.installed-dev
 	bash e2e/claude_code.sh
+	bash e2e/claude_code_images.sh
 	bash e2e/codex.sh
 
 clean:
