@@ -179,3 +179,34 @@ def test_a_follower_holds_what_rank_0_holds(
     assert not follower.runner.caches and not follower.runner.batch.request_ids
     if kv_tight:
         assert engine.stats()["preemptions"] > 0
+
+
+def test_a_rank_asks_again_when_its_peer_is_not_up_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLX's ring backend gives a peer about 31 s to listen; a slower rank 0 is asked again
+    (a failed `init` keeps no group), and after `JOIN_ATTEMPTS` tries the error stands."""
+    from mlxserve.engine.distributed import group as group_module
+
+    class TwoRanks:
+        def rank(self) -> int:
+            return 1
+
+        def size(self) -> int:
+            return 2
+
+    failures = [RuntimeError("[ring] Couldn't connect (error: 111)")] * 2
+    calls: list[int] = []
+
+    def init() -> TwoRanks:
+        calls.append(1)
+        if failures:
+            raise failures.pop()
+        return TwoRanks()
+
+    monkeypatch.setattr(group_module.mx.distributed, "init", init)
+    joined = group_module.join_group()
+    assert (joined.rank, joined.size, len(calls)) == (1, 2, 3)
+    failures.extend([RuntimeError("[ring] Couldn't connect (error: 111)")] * 9)
+    calls.clear()
+    with pytest.raises(RuntimeError, match="Couldn't connect"):
+        group_module.join_group()
+    assert len(calls) == group_module.JOIN_ATTEMPTS

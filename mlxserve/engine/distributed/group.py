@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import zlib
 from typing import Any
 
 import mlx.core as mx
 
 from mlxserve.engine.sampling import int_list
+
+logger = logging.getLogger("mlxserve.distributed")
+
+# A rank joins the ranks before it imports or loads anything else, but the ranks still
+# start apart (ssh, a cold disk, a busy machine), and MLX's ring backend gives the peer
+# it connects to about 31 s to listen before `init` fails. Asking again is safe (a failed
+# `init` keeps no group): four tries wait about two minutes for a slow rank.
+JOIN_ATTEMPTS = 4
 
 # Ints the first collective of a step carries: a decode-only plan fits, so a
 # step costs one collective; a longer plan sends the rest in a second one.
@@ -84,8 +93,18 @@ def shared_budget(group: PlanGroup, budget_bytes: int, bytes_per_token: float) -
 
 
 def join_group() -> PlanGroup:
-    """This process's place among the ranks `mlx.launch` started (RuntimeError if alone)."""
-    group = mx.distributed.init()
+    """This process's place among the ranks `mlx.launch` started (RuntimeError if alone,
+    or if a peer did not come up in `JOIN_ATTEMPTS` tries)."""
+    for attempt in range(1, JOIN_ATTEMPTS + 1):
+        try:
+            group = mx.distributed.init()
+            break
+        except RuntimeError as e:
+            if attempt == JOIN_ATTEMPTS:
+                raise
+            logger.warning(
+                "joining the ranks failed (%s); try %d of %d", e, attempt + 1, JOIN_ATTEMPTS
+            )
     if group.size() < 2:
         raise RuntimeError(
             "--distributed needs several ranks: start it with mlx.launch "
