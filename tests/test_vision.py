@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import collect, started_engine, tokens_of
-from vision_helpers import Oracle, chat, noise_png
+from engine_helpers import started_engine, tokens_of
+from vision_helpers import Oracle, chat, noise_png, submit_prompts
 
 from mlxserve.chat import PromptError, PromptIds
 from mlxserve.cli import main as cli_main
 from mlxserve.config import EngineConfig
-from mlxserve.engine.request import SamplingParams
 from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.tiny.vision import IMAGE_TOKENS
 from mlxserve.models.vision import IMAGE_KEY_BASE
@@ -50,16 +49,8 @@ def _run(
 
     async def main() -> tuple[list[tuple[list[int], Any]], dict[str, Any]]:
         engine = await started_engine(config, lambda: model)
-        params = SamplingParams(max_tokens=MAX_TOKENS)
-
-        def submit(p: PromptIds) -> Any:
-            return collect(engine.submit(p.token_ids, params, images=p.images))
-
         try:
-            if one_by_one:
-                runs = [await submit(p) for p in prompts]
-            else:
-                runs = list(await asyncio.gather(*(submit(p) for p in prompts)))
+            runs = await submit_prompts(engine, prompts, MAX_TOKENS, one_by_one)
             return [(tokens_of(events), events[-1]) for events in runs], engine.stats()
         finally:
             await engine.shutdown()

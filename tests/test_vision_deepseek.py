@@ -25,9 +25,9 @@ import anthropic
 import openai
 import pytest
 from api_fixtures import ServerThread, serve_args
-from engine_helpers import collect, started_engine, tokens_of
+from engine_helpers import started_engine, tokens_of
 from image_helpers import anthropic_image, data_url, openai_image, responses_image
-from vision_helpers import Oracle, image_part, noise_png
+from vision_helpers import Oracle, image_part, noise_png, submit_prompts
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.cli import main as cli_main
@@ -81,20 +81,12 @@ def _run(
 
     async def main() -> tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]:
         engine = await started_engine(config, lambda: load(checkpoint))
-        params = SamplingParams(max_tokens=MAX_TOKENS)
         prompts = [
             render_prompt(engine.model, PromptRequest(m, chat_template_kwargs=NO_THINKING))
             for m in conversations
         ]
-
-        def submit(p: PromptIds) -> Any:
-            return collect(engine.submit(p.token_ids, params, images=p.images))
-
         try:
-            if one_by_one:
-                runs = [await submit(p) for p in prompts]
-            else:
-                runs = list(await asyncio.gather(*(submit(p) for p in prompts)))
+            runs = await submit_prompts(engine, prompts, MAX_TOKENS, one_by_one)
             results = [(tokens_of(events), events[-1].cached_tokens) for events in runs]
             return prompts, results, engine.stats()
         finally:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from engine_helpers import collect
 from PIL import Image
 
-from mlxserve.chat import PromptRequest, render_prompt
+from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.chat.images import ImagePart
 from mlxserve.cli import main as cli_main
+from mlxserve.engine.request import SamplingParams
 from mlxserve.models.loaded import LoadedModel
 
 
@@ -79,3 +83,18 @@ class Oracle:
             **metadata,
         )
         return [int(t) for t in result.token_ids]
+
+
+async def submit_prompts(
+    engine: Any, prompts: Sequence[PromptIds], max_tokens: int, one_by_one: bool
+) -> list[list[Any]]:
+    """Each prompt's events from `engine` (greedy, with its images), submitted one after
+    another or all at once."""
+    params = SamplingParams(max_tokens=max_tokens)
+
+    def submit(p: PromptIds) -> Any:
+        return collect(engine.submit(p.token_ids, params, images=p.images))
+
+    if one_by_one:
+        return [await submit(p) for p in prompts]
+    return list(await asyncio.gather(*(submit(p) for p in prompts)))
