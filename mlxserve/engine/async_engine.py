@@ -32,7 +32,7 @@ from mlxserve.engine.request import (
     TokenEvent,
 )
 from mlxserve.models.loaded import LoadedModel
-from mlxserve.models.vision import PromptImage, text_positions
+from mlxserve.models.vision import PromptImage, text_ids
 
 if TYPE_CHECKING:
     from mlxserve.engine.distributed.publisher import PlanPublisher
@@ -159,8 +159,7 @@ class AsyncEngine:
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        text = text_positions(prompt_ids, images, model)
-        if any(not 0 <= prompt_ids[i] < model.vocab_size for i in text):
+        if any(not 0 <= token < model.vocab_size for token in text_ids(prompt_ids, images, model)):
             raise ValueError(f"prompt token ids must be in [0, {model.vocab_size})")
         limit = self.config.max_model_len
         if limit is not None and len(prompt_ids) >= limit:

@@ -272,8 +272,8 @@ class Scheduler:
         memory = self.memory
         if memory is None:
             return
-        while self.running and self._held(False) > memory.room():
-            alone = self._held(False) > memory.whole_bytes
+        while self.running and (held := self._held(False)) > memory.room():
+            alone = held > memory.whole_bytes
             if len(self.running) == 1 and (memory.pool is None or alone):
                 self.fail(self.running[0].request_id, self._no_room_message())
                 return

@@ -80,13 +80,12 @@ class PromptImage:
         return self.start + self.length
 
 
-def text_positions(
-    prompt_ids: Sequence[int], images: Sequence[PromptImage], model: Any
-) -> list[int]:
-    """The positions of `prompt_ids` that hold text, once `images` are checked to fit
-    the prompt, apart, and a model that reads images (ValueError otherwise)."""
+def text_ids(prompt_ids: Sequence[int], images: Sequence[PromptImage], model: Any) -> Sequence[int]:
+    """The ids of `prompt_ids` at text positions (all of them without images), once
+    `images` are checked to fit the prompt, apart, and a model that reads images
+    (ValueError otherwise)."""
     if not images:
-        return list(range(len(prompt_ids)))
+        return prompt_ids
     if getattr(model, "vision", None) is None:
         raise ValueError("this model reads text only; the prompt holds images")
     covered: set[int] = set()
@@ -97,7 +96,7 @@ def text_positions(
         if covered.intersection(span):
             raise ValueError("two images share prompt positions")
         covered.update(span)
-    return [i for i in range(len(prompt_ids)) if i not in covered]
+    return [token for i, token in enumerate(prompt_ids) if i not in covered]
 
 
 class VisionError(ValueError):
