@@ -145,8 +145,8 @@ class AsyncEngine:
         self._queues[request_id] = events
         request = Request(request_id, list(prompt_ids), params, time.monotonic())
         request.images = tuple(images)
-        if images and model.vision is not None and model.vision.whole_prefill:
-            request.whole_until = max(image.end for image in images)
+        if images and model.vision is not None and model.vision.whole_images:
+            request.whole_spans = tuple((image.start, image.end) for image in images)
         self._core.add(request)
         return self._stream(request_id, events, request.arrival_time)
 

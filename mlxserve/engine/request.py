@@ -170,11 +170,32 @@ class Request:
     # Images in the prompt (a model that reads them): their positions in `prompt_ids`
     # hold content-keyed ids past the vocabulary, fed as the image's features.
     images: tuple[PromptImage, ...] = ()
-    # A model that reads a prompt's images only in one forward from its start
-    # (`VisionTower.whole_prefill`, DeepSeek-V4): the first prefill chunk reaches this
-    # position (the end of the last image), and a prefix-cache hit is used only if it
-    # covers it. 0: chunks are cut anywhere.
-    whole_until: int = 0
+    # A model that reads each image whole in one forward (`VisionTower.whole_images`,
+    # DeepSeek-V4: two-way attention inside an image block): the images' spans
+    # [start, end). No prefill chunk and no prefix-cache hit ends strictly inside one.
+    # (): chunks are cut anywhere.
+    whole_spans: tuple[tuple[int, int], ...] = ()
+
+    def span_around(self, position: int) -> tuple[int, int] | None:
+        """The whole span that `position` falls strictly inside (None: a chunk may end
+        or start there)."""
+        for start, end in self.whole_spans:
+            if start < position < end:
+                return start, end
+        return None
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a chunk from `start` that would end at `end` ends: before the span `end`
+        would cut, or past it where the chunk starts at that span (one longer than the
+        budget goes whole, alone)."""
+        span = self.span_around(end)
+        if span is None:
+            return end
+        return span[0] if span[0] > start else span[1]
+
+    def holds_whole_span(self, start: int, end: int) -> bool:
+        """Whether context positions [start, end) hold a span that is fed whole."""
+        return any(first < end and last > start for first, last in self.whole_spans)
 
     def token_ids(self, ids: list[int]) -> list[int]:
         """`ids` (from this request's context) without its image positions' keyed ids:

@@ -333,7 +333,7 @@ class Runner:
         (`kv_quantize.leading_pieces`); returns where the rest starts."""
         rid = chunk.request.request_id
         rest = chunk.start
-        if chunk.start < chunk.request.whole_until:  # one forward, never cut
+        if chunk.request.holds_whole_span(chunk.start, chunk.end):  # one forward, never cut
             return rest
         for start, end in leading_pieces(chunk, self.kv_quant, self.cost, self.query_heads):
             inputs = mx.array([self.vision.model_ids(chunk.request, start, end)], dtype=mx.int32)

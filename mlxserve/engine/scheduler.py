@@ -219,8 +219,7 @@ class Scheduler:
     def _next_chunk(self, request: Request, budget: int) -> PrefillChunk:
         start = request.num_computed
         end = start + min(budget, request.prefill_remaining)
-        if start < request.whole_until:  # its images in one forward from the start
-            end = max(end, request.whole_until)
+        end = request.chunk_end(start, end)  # never inside an image fed whole
         # A resumed request also stops at the prompt's end: that is a snapshot point.
         prompt_end = request.num_prompt if request.fill_ids is not None else None
         for boundary in (request.branch_at, prompt_end):
@@ -368,9 +367,10 @@ class Scheduler:
         if self.prefix_cache is None:
             return
         context = request.context_ids
-        # A hit that ends before an image the model must read in one forward is not used.
-        usable = (
-            request.whole_until == 0 or self.prefix_cache.reusable(context) >= request.whole_until
+        # A hit that ends inside an image the model must read whole is not used (the
+        # model's own chunks never end there, so such an entry is not expected).
+        usable = not request.whole_spans or (
+            request.span_around(self.prefix_cache.reusable(context)) is None
         )
         # A fresh prompt snapshots at its end, superseding the entry it extends.
         hit = self.prefix_cache.lookup(context, take=request.fill_ids is None) if usable else None
@@ -380,8 +380,10 @@ class Scheduler:
                 request.cached_tokens = hit.key_len
             request.cache = hit.cache
         shared = self.prefix_cache.shared_prefix_len(context)
-        branch_from = max(request.num_computed + MIN_BRANCH_TOKENS, request.whole_until)
-        if branch_from <= shared < request.num_prompt:
+        span = request.span_around(shared)
+        if span is not None:  # a snapshot point is a chunk's end: never inside an image
+            shared = span[0]
+        if request.num_computed + MIN_BRANCH_TOKENS <= shared < request.num_prompt:
             request.branch_at = shared
 
     # -- results ------------------------------------------------------------

@@ -85,8 +85,13 @@ class ModelAdapter:
         self, inputs: mx.array, cache: list[Any] | None, embeddings: mx.array
     ) -> mx.array:
         if self._is_vlm_v4:
-            # `inputs` hold the image sentinels: its gates and attention mask read them.
-            hidden = self.module.model(inputs, cache=cache, inputs_embeds=embeddings)[:, -1:, :]
+            # `inputs` hold the image sentinels: its gates and attention mask read them,
+            # at whatever offset the chunk starts (`deepseek_v4/image_chunk.py`).
+            from mlxserve.models.deepseek_v4.image_chunk import chunk_hidden
+
+            if cache is None:
+                raise ValueError("a DeepSeek-V4 chunk with images is fed over a cache")
+            hidden = chunk_hidden(self.module.model, inputs, cache, embeddings)[:, -1:, :]
             return self.module.lm_head(hidden)[:, -1, :]
         if self.model_type not in _PLAIN_HEAD_TYPES:
             raise ValueError(f"{self.model_type} takes no input embeddings here")

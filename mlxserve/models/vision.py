@@ -106,9 +106,9 @@ class VisionError(ValueError):
 class VisionTower:
     """The vision side of a loaded checkpoint (see the module docstring)."""
 
-    # Whether the language model must read a prompt from its start to its last image in
-    # one forward (DeepSeek-V4's two-way attention inside an image); LLaVA is causal.
-    whole_prefill = False
+    # Whether the language model must read each image whole, inside one forward
+    # (DeepSeek-V4's two-way attention inside an image block); LLaVA is causal.
+    whole_images = False
     # Whether an image's placeholder joins its neighbouring text with no separator, as
     # the family's processor renders a content list holding images.
     placeholder_joins_text = False

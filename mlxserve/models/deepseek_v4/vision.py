@@ -8,9 +8,10 @@ sentinels: its MoE gates route image positions by their own bias, and it lets th
 positions of one image see each other both ways. So the prompt's positions hold
 content-keyed ids (the prefix cache's keys, `models/vision.py`), each image keeps
 its sentinels as `PromptImage.model_ids` (what the language model is fed), and
-the tower is `whole_prefill`: mlx-vlm's model takes image sentinels only in one
-forward from position 0, so the engine feeds a prompt from its start to the end
-of its last image in one prefill chunk.
+the tower is `whole_images`: a position inside an image block attends to the block's
+later positions, so the engine never ends a prefill chunk inside a block. A chunk
+holding blocks may start anywhere over the cache (`image_chunk.py` builds its mask,
+where mlx-vlm's model takes sentinels only from position 0).
 
 An image's features are its whole block, as mlx-vlm's own merge builds it: the
 ViT and aligner output in the image positions, the learnt start, pad, newline and
@@ -37,7 +38,7 @@ IMAGE_START, IMAGE_PAD, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(5)
 
 
 class DeepseekV4Tower(VisionTower):
-    whole_prefill = True
+    whole_images = True
     # mlx-vlm's processor renders a content list as its parts with nothing between.
     placeholder_joins_text = True
 
