@@ -3,25 +3,34 @@
 
 The image's placeholder sits where mlx-vlm's processor puts it (a content list's parts
 joined with nothing between), and its positions hold the processor's sentinels, which
-the language model reads: the engine feeds a prompt from its start to the end of its last
-image in one prefill, even under a 5-token chunk budget, and uses a prefix-cache hit only
-if it covers every image. Greedy tokens equal mlx-vlm's own generation until a decode step
-closes a pooling window (where mlx-vlm's compressor drops its overlap window, as
-`test_models.py` pins for text), and the engine's own alone, in a batch of 4 (two images,
-two texts, one long) and chunked. Over HTTP (one server, with a disk tier): OpenAI chat
-and Responses answer an image prompt with the engine's own tokens, streamed and not;
-Claude Code's screenshot inside a `tool_result` is answered, and after a restart the next
-turn re-sending it is a disk hit that covers it, while another image is not.
+the language model reads: a position inside an image block sees the whole block, so no
+prefill chunk ends inside one, and a chunk holding a block may start anywhere over the
+cache (`models/deepseek_v4/image_chunk.py` builds its mask; mlx-vlm's model takes
+sentinels only from position 0). Our forward from position 0 is mlx-vlm's, bit for bit;
+a prompt with text before and after a block longer than the sliding window, fed in
+chunks (one starting before the block, the block alone, one after it), gives the logits
+and greedy tokens of one forward; a chunk that would cut a block is refused. Greedy
+tokens equal mlx-vlm's own generation until a decode step closes a pooling window (where
+mlx-vlm's compressor drops its overlap window, as `test_models.py` pins for text), and
+the engine's own alone, in a batch of 4 (two images, two texts, one long) and chunked. A
+prefix-cache hit may end before an image (a prompt sharing only the text before it) or
+cover it (the same image re-sent), with the cold prompt's tokens. Over HTTP (one server,
+with a disk tier): OpenAI chat and Responses answer an image prompt with the engine's own
+tokens, streamed and not; Claude Code's screenshot inside a `tool_result` is answered,
+and after a restart the next turn re-sending it is a disk hit that covers it, while
+another image is not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import mlx.core as mx
 import openai
 import pytest
 from api_fixtures import ServerThread, serve_args
@@ -32,7 +41,9 @@ from vision_helpers import Oracle, image_part, noise_png, submit_prompts
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.cli import main as cli_main
 from mlxserve.config import EngineConfig
-from mlxserve.engine.request import SamplingParams
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.vision_inputs import VisionInputs
+from mlxserve.models.deepseek_v4.image_chunk import chunk_hidden, image_chunk_mask
 from mlxserve.models.load import load
 from mlxserve.models.vision import IMAGE_KEY_BASE
 
@@ -106,11 +117,147 @@ def _agrees_with_mlx_vlm(
     assert tokens[:agreed] == oracle.tokens(prompt.text, images, agreed)
 
 
+def _part(kind: str, text: str) -> dict[str, str]:
+    return {"type": kind, "text": text}
+
+
+# Text before and after a block longer than the sliding window (16): positions inside it
+# see back to its start, past their window.
+BEFORE = "Read this first, then look: " + " ".join(f"word{i}" for i in range(20))
+BIG_SHOT = noise_png(3, (120, 90))
+THIRD = noise_png(4)
+
+
+def _text_image_text(image: bytes) -> list[dict[str, Any]]:
+    content = [_part("text", BEFORE), image_part(image), _part("text", "What is it? In words.")]
+    return [{"role": "user", "content": content}]
+
+
+class OneForward:
+    """Our own single-request greedy run, the oracle where mlx-vlm's generate differs: the
+    whole prompt in one forward from position 0 (mlx-vlm's own forward), then one token a
+    forward. `logits` feeds a prompt in given chunks instead, as the engine does."""
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.model = load(checkpoint)
+        self.module = self.model.model.module  # mlx-vlm's LanguageModel
+
+    def inputs(self, prompt: PromptIds, start: int, end: int) -> tuple[mx.array, Any]:
+        """The ids the model reads at [start, end) and their embeddings (None: no image)."""
+        request = Request("oracle", list(prompt.token_ids), SamplingParams(), 0.0)
+        request.images = prompt.images
+        vision = VisionInputs(self.model.vision)
+        ids = mx.array([vision.model_ids(request, start, end)], dtype=mx.int32)
+        return ids, vision.embeddings(request, start, end)
+
+    def logits(self, prompt: PromptIds, cuts: Sequence[int]) -> mx.array:
+        """(L, V): the prompt fed in chunks [cuts[i], cuts[i + 1]), those with images
+        through `chunk_hidden`, the others as the engine feeds text."""
+        cache = self.model.make_cache()
+        out = []
+        for start, end in itertools.pairwise(cuts):
+            ids, embeddings = self.inputs(prompt, start, end)
+            if embeddings is None:
+                out.append(self.model.model(ids, cache)[0])
+            else:
+                hidden = chunk_hidden(self.module.model, ids, cache, embeddings)
+                out.append(self.module.lm_head(hidden)[0])
+        return mx.concatenate(out)
+
+    def whole_logits(self, prompt: PromptIds, cache: list[Any]) -> mx.array:
+        """(L, V): mlx-vlm's own forward over the whole prompt from position 0."""
+        ids, embeddings = self.inputs(prompt, 0, len(prompt.token_ids))
+        return self.module(ids, cache=cache, inputs_embeds=embeddings).logits[0]
+
+    def tokens(self, prompt: PromptIds, max_tokens: int = MAX_TOKENS) -> list[int]:
+        cache = self.model.make_cache()
+        tokens = [int(mx.argmax(self.whole_logits(prompt, cache)[-1]))]
+        while len(tokens) < max_tokens and tokens[-1] not in self.model.eos_token_ids:
+            logits = self.model.model(mx.array([tokens[-1:]], dtype=mx.int32), cache)
+            tokens.append(int(mx.argmax(logits[0, -1])))
+        return tokens
+
+
+@pytest.fixture(scope="module")
+def one_forward(checkpoint: Path) -> OneForward:
+    return OneForward(checkpoint)
+
+
+def _render(one_forward: OneForward, conversation: list[dict[str, Any]]) -> PromptIds:
+    request = PromptRequest(conversation, chat_template_kwargs=NO_THINKING)
+    return render_prompt(one_forward.model, request)
+
+
+def test_a_chunk_holding_an_image_computes_what_one_forward_does_at_any_offset(
+    one_forward: OneForward,
+) -> None:
+    """Our forward from position 0 is mlx-vlm's; fed in chunks that start before the
+    block (mid-prompt), hold it alone or with text, or follow it, each position's logits
+    are the one forward's (float noise apart) and so is its argmax. The image mask
+    matters: without it the logits are far off (so the check can fail)."""
+    prompt = _render(one_forward, _text_image_text(BIG_SHOT))
+    (image,) = prompt.images
+    n = len(prompt.token_ids)
+    assert image.length > 16 < image.start  # longer than the window, which it starts past
+    whole = one_forward.whole_logits(prompt, one_forward.model.make_cache())
+    assert mx.array_equal(one_forward.logits(prompt, [0, n]), whole)
+    for cuts in (
+        [0, 5, image.start, image.end, n],
+        [0, 3, image.start, image.end, image.end + 3, n],
+        [0, image.start - 1, image.end + 2, n],
+    ):
+        chunked = one_forward.logits(prompt, cuts)
+        assert mx.allclose(chunked, whole, atol=1e-3).item(), cuts
+        assert mx.array_equal(mx.argmax(chunked, -1), mx.argmax(whole, -1))
+    with pytest.raises(ValueError, match="cut"):
+        one_forward.logits(prompt, [0, image.start + 3, n])
+
+
+def test_the_image_mask_is_the_one_forwards_rows_over_the_cached_window(
+    one_forward: OneForward,
+) -> None:
+    """`image_chunk_mask` (mlx-vlm's mask functions, wrapped) for a chunk at offset o over
+    the sliding-window cache is mlx-vlm's whole-prompt mask, its rows o.. and the key
+    columns the cache holds (the window before o, then the chunk)."""
+    from mlx_vlm.models.deepseek_v4.language import create_image_attention_mask
+
+    args = one_forward.module.args
+    prompt = _render(one_forward, _text_image_text(BIG_SHOT))
+    (image,) = prompt.images
+    n, window = len(prompt.token_ids), args.sliding_window
+    ids, _ = one_forward.inputs(prompt, 0, n)
+    reference = create_image_attention_mask(ids, args.vocab_size, window, args.vision_max_n_token)[
+        0, 0
+    ]
+    for start in (image.start - 2, image.start):
+        cache = one_forward.model.make_cache()
+        one_forward.model.model(ids[:, :start], cache)
+        mask = image_chunk_mask(one_forward.module.model, ids[:, start:], cache)
+        first_key = start - min(window - 1, start)
+        assert mx.array_equal(mask[0, 0], reference[start:, first_key:]), start
+
+
+def test_an_image_prompt_in_small_chunks_answers_with_the_one_forward_tokens(
+    checkpoint: Path, one_forward: OneForward, oracle: Oracle
+) -> None:
+    """Text, a block longer than the window, text, under a 5-token budget: fed in many
+    chunks (the block alone, over the text before it), it answers with the one forward's
+    greedy tokens, which are mlx-vlm's own up to the pooling window."""
+    config = EngineConfig(prefix_cache=False, max_prefill_tokens=5)
+    conversation = _text_image_text(BIG_SHOT)
+    prompts, runs, stats = _run(checkpoint, config, [conversation], one_by_one=True)
+    ((tokens, _),) = runs
+    assert tokens == one_forward.tokens(prompts[0])
+    _agrees_with_mlx_vlm(oracle, prompts[0], BIG_SHOT, tokens)
+    (image,) = prompts[0].images
+    assert stats["steps"] >= (len(prompts[0].token_ids) - image.length) // 5 + 1
+
+
 def test_the_placeholder_sits_where_mlx_vlms_processor_puts_it(checkpoint: Path) -> None:
     from mlx_vlm.models.deepseek_v4.processing_deepseek_v4 import DeepseekV4Processor
 
     model = load(checkpoint)
-    assert model.reads_images and model.vision is not None and model.vision.whole_prefill
+    assert model.reads_images and model.vision is not None and model.vision.whole_images
     prompt = render_prompt(model, PromptRequest(_turns(SHOT), chat_template_kwargs=NO_THINKING))
     theirs = DeepseekV4Processor._content_to_text(
         [
@@ -148,10 +295,9 @@ def alone(checkpoint: Path) -> tuple[list[PromptIds], list[list[int]]]:
 def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_in_small_chunks(
     alone: tuple[list[PromptIds], list[list[int]]], checkpoint: Path, oracle: Oracle
 ) -> None:
-    """A batch of 4 under a 5-token chunk budget: the image prompts still prefill up to
-    their image's end in one forward (mlx-vlm's model refuses sentinels after position 0
-    otherwise), the long text prompt in many chunks, and each row gets the tokens it gets
-    alone."""
+    """A batch of 4 under a 5-token chunk budget: the image prompts prefill in chunks (the
+    text before the image, then the image block whole over that cache, then the rest),
+    the long text prompt in many chunks, and each row gets the tokens it gets alone."""
     config = EngineConfig(prefix_cache=False, max_prefill_tokens=5)
     prompts, runs, stats = _run(checkpoint, config, CONVERSATIONS, one_by_one=False)
     assert [tokens for tokens, _ in runs] == alone[1]
@@ -161,18 +307,28 @@ def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_in_small_chunks(
     assert stats["steps"] >= len(prompts[3].token_ids) // 5 >= 10
 
 
-def test_a_prefix_hit_is_used_only_if_it_covers_every_image(
-    checkpoint: Path, oracle: Oracle
+def test_a_prefix_hit_ends_before_an_image_or_covers_it(
+    checkpoint: Path, one_forward: OneForward
 ) -> None:
-    """The next turn re-sending the screenshot hits (the tower skipped); the same turn with
-    another image shares only the text before it, which is refused: a cold prefill."""
-    conversations = [_turns(SHOT), _turns(SHOT, next_turn=True), _turns(OTHER, next_turn=True)]
+    """A prompt holding another image after the same text branches there (its snapshot
+    ends before its image), so a third image's prompt hits that snapshot and feeds its
+    image over it; the next turn re-sending an image hits past it (the tower skipped).
+    Each answers with its one-forward tokens."""
+    conversations = [
+        _text_image_text(SHOT),
+        _text_image_text(OTHER),
+        _text_image_text(THIRD),
+        _turns(SHOT),
+        _turns(SHOT, next_turn=True),
+    ]
     prompts, runs, stats = _run(checkpoint, EngineConfig(), conversations, one_by_one=True)
-    (_, cold), (resent, hit), (other, miss) = runs
-    assert cold == 0 and hit >= prompts[1].images[0].end and miss == 0
-    _agrees_with_mlx_vlm(oracle, prompts[1], SHOT, resent)
-    _agrees_with_mlx_vlm(oracle, prompts[2], OTHER, other)
-    assert stats["vision"]["images"] == 2
+    cached = [hit for _, hit in runs]
+    assert cached[:2] == [0, 0] and cached[3] == 0
+    assert cached[2] == prompts[2].images[0].start  # the text before the image
+    assert cached[4] >= prompts[4].images[0].end  # the whole first turn, its image too
+    for prompt, (tokens, _) in zip(prompts, runs, strict=True):
+        assert tokens == one_forward.tokens(prompt)
+    assert stats["vision"]["images"] == 4  # all but the re-sent one
 
 
 class Serving:
@@ -200,10 +356,6 @@ def serving(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield served
     finally:
         served.server.stop()
-
-
-def _part(kind: str, text: str) -> dict[str, str]:
-    return {"type": kind, "text": text}
 
 
 def test_openai_chat_and_responses_answer_with_the_engines_own_tokens(
@@ -295,18 +447,20 @@ def test_claude_codes_screenshot_is_answered_and_resent_after_a_restart_as_a_dis
     assert stats["vision"]["images"] == 1  # the re-sent screenshot skipped the tower
 
 
-def test_the_first_chunk_reaches_the_last_image_whatever_the_budget() -> None:
-    """The scheduler alone: a 5-token budget, a prompt whose last image ends at 17."""
+def test_no_chunk_ends_inside_an_image_whatever_the_budget() -> None:
+    """The scheduler alone, a 5-token budget: a block longer than the budget is a chunk of
+    its own, whole; a chunk that would end inside a shorter one ends before it; the other
+    chunks keep the budget."""
     from mlxserve.engine.plan import RequestOutput, StepResult
-    from mlxserve.engine.request import Request
     from mlxserve.engine.scheduler import Scheduler
 
     scheduler = Scheduler(EngineConfig(prefix_cache=False, max_prefill_tokens=5), frozenset())
-    request = Request("shot", list(range(1, 31)), SamplingParams(max_tokens=2), 0.0)
-    request.whole_until = 17
+    request = Request("shot", list(range(1, 41)), SamplingParams(max_tokens=2), 0.0)
+    request.whole_spans = ((7, 19), (28, 31))
     scheduler.add(request)
-    (first,) = scheduler.schedule().prefills
-    assert (first.start, first.end) == (0, 17)
-    scheduler.update(StepResult(outputs=[RequestOutput("shot", computed=first.end)]))
-    (second,) = scheduler.schedule().prefills
-    assert second.start == 17 and second.num_tokens <= 5
+    chunks = []
+    while request.num_computed < request.num_prompt:
+        (chunk,) = scheduler.schedule().prefills
+        chunks.append((chunk.start, chunk.end))
+        scheduler.update(StepResult(outputs=[RequestOutput("shot", computed=chunk.end)]))
+    assert chunks == [(0, 5), (5, 7), (7, 19), (19, 24), (24, 28), (28, 33), (33, 38), (38, 40)]
