@@ -12,7 +12,7 @@ chunks (one starting before the block, the block alone, one after it), gives the
 and greedy tokens of one forward; a chunk that would cut a block is refused. Greedy
 tokens equal mlx-vlm's own generation until a decode step closes a pooling window (where
 mlx-vlm's compressor drops its overlap window, as `test_models.py` pins for text), and
-the engine's own alone, in a batch of 4 (two images, two texts, one long) and chunked. A
+the engine's own alone, in a batch of 5 (three images, two texts, one long) and chunked. A
 prefix-cache hit may end before an image (a prompt sharing only the text before it) or
 cover it (the same image re-sent), with the cold prompt's tokens. Over HTTP (one server,
 with a disk tier): OpenAI chat and Responses answer an image prompt with the engine's own
@@ -273,14 +273,16 @@ def test_the_placeholder_sits_where_mlx_vlms_processor_puts_it(checkpoint: Path)
     assert image.model_ids[-1] == model.vocab_size + 4  # the block's end sentinel
 
 
-# Two image prompts, two text ones, the last long (several chunks under any small budget).
+# Three image prompts (the last with a block longer than the window) and two text ones, the
+# second long (several chunks under any small budget).
 CONVERSATIONS = (
     _turns(SHOT),
     _turns(None),
     _turns(OTHER, next_turn=True),
     [{"role": "user", "content": LONG}],
+    _text_image_text(BIG_SHOT),
 )
-IMAGES = (SHOT, None, OTHER, None)
+IMAGES = (SHOT, None, OTHER, None, BIG_SHOT)
 
 
 @pytest.fixture(scope="module")
@@ -293,17 +295,22 @@ def alone(checkpoint: Path) -> tuple[list[PromptIds], list[list[int]]]:
 
 @pytest.mark.slow
 def test_greedy_tokens_equal_mlx_vlm_alone_and_batched_in_small_chunks(
-    alone: tuple[list[PromptIds], list[list[int]]], checkpoint: Path, oracle: Oracle
+    alone: tuple[list[PromptIds], list[list[int]]],
+    checkpoint: Path,
+    oracle: Oracle,
+    one_forward: OneForward,
 ) -> None:
-    """A batch of 4 under a 5-token chunk budget: the image prompts prefill in chunks (the
+    """A batch of 5 under a 5-token chunk budget: the image prompts prefill in chunks (the
     text before the image, then the image block whole over that cache, then the rest),
-    the long text prompt in many chunks, and each row gets the tokens it gets alone."""
+    the long text prompt in many chunks, and each row gets the tokens it gets alone, which
+    are the one forward's."""
     config = EngineConfig(prefix_cache=False, max_prefill_tokens=5)
     prompts, runs, stats = _run(checkpoint, config, CONVERSATIONS, one_by_one=False)
     assert [tokens for tokens, _ in runs] == alone[1]
     for prompt, (tokens, _), image in zip(prompts, runs, IMAGES, strict=True):
         _agrees_with_mlx_vlm(oracle, prompt, image, tokens)
-    assert stats["vision"]["images"] == 2
+        assert tokens == one_forward.tokens(prompt)
+    assert stats["vision"]["images"] == 3
     assert stats["steps"] >= len(prompts[3].token_ids) // 5 >= 10
 
 
