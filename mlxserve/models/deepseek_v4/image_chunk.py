@@ -19,8 +19,9 @@ sentinels change is local, though:
 The pooled (compressed) caches never see the image mask: their mask is causal over
 whole windows of 4 (`PoolingCache.make_mask`), and they carry a window's remainder
 across calls (with our overlap carry, `overlap.py`), so a chunk may start anywhere.
-The processor starts each image block on a multiple of 4 so that no pooled window
-mixes text and image; that is the prompt's layout, untouched by where chunks end.
+The processor pads the front of each image block so that its rows start on a multiple
+of 4 (no pooled window mixes text and image rows); that is the prompt's layout, which
+does not depend on where chunks end (a chunk may start at 5 or 27 as well as at 28).
 
 So a chunk whose every image block lies whole inside it computes what one forward
 from position 0 computes: `chunk_hidden` is mlx-vlm's forward over its public
