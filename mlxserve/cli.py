@@ -322,7 +322,10 @@ def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--vision",
         action="store_true",
-        help="add a tiny vision tower and its image processor (llama: LLaVA; deepseek_v4: its ViT)",
+        help=(
+            "add a tiny vision tower and its image processor "
+            "(llama: LLaVA; deepseek_v4 and deepseek_v41: their ViT)"
+        ),
     )
     p.add_argument(
         "--script",

@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from mlxserve.models import cpu_head
 from mlxserve.models.compile_scope import uncompiled_unless_bounded
+from mlxserve.models.deepseek_v4 import v41_image_route
 
 # mlx-lm families whose __call__ is exactly `head(model.model(inputs, cache))`,
 # so the head can be applied to the last position alone.
@@ -93,7 +94,13 @@ class ModelAdapter:
                 raise ValueError("a DeepSeek-V4 chunk with images is fed over a cache")
             hidden = chunk_hidden(self.module.model, inputs, cache, embeddings)[:, -1:, :]
             return self.module.lm_head(hidden)[:, -1, :]
-        if self.model_type not in _PLAIN_HEAD_TYPES:
+        feed = v41_image_route.image_feed(self.module)
+        if feed is not None:
+            # mlx-lm's V4.1 takes no input embeddings: its wrapped embedding and gates
+            # read them, and the image mask, from the feed (`deepseek_v4/v41_image_route.py`).
+            hidden = feed.hidden(self.module, inputs, cache, embeddings)[:, -1:, :]
+            return self._head(hidden)[:, -1, :]
+        if self.model_type not in _PLAIN_HEAD_TYPES or self.model_type == "deepseek_v41":
             raise ValueError(f"{self.model_type} takes no input embeddings here")
         hidden = self.module.model(inputs, cache, embeddings)[:, -1:, :]
         return self._head(hidden)[:, -1, :]

@@ -113,7 +113,7 @@ def _load_module(
     if has_vision_tower(config) and not blind:
         if shard is not None:
             raise ModelLoadError(f"{model_type} vision checkpoints cannot be served distributed")
-        module, vlm = load_vision(path, config)
+        module, vlm = _load_vision_module(path, config)
     elif model_type in VLM_TYPES:
         from mlx_vlm.utils import load_model as vlm_load_model
 
@@ -129,16 +129,35 @@ def _load_module(
             ) from e
     if shard is not None:
         shard(module, model_type)
-    _materialise(vlm if vlm is not None else module, progress)
+    _materialise(_loaded_modules(model_type, module, vlm), progress)
     return module, vlm
 
 
-def _materialise(module: Any, progress: LoadProgress) -> None:
+def _loaded_modules(model_type: str, module: Any, vlm: Any) -> list[Any]:
+    """What a load evaluates: mlx-vlm's whole model where it holds the language module
+    (LLaVA's arrays are shared, DeepSeek-V4's is it); V4.1's holds the tower alone."""
+    if vlm is None:
+        return [module]
+    return [module, vlm] if model_type == "deepseek_v41" else [vlm]
+
+
+def _load_vision_module(path: Path, config: dict[str, Any]) -> tuple[Any, Any]:
+    if config["model_type"] != "deepseek_v41":
+        return load_vision(path, config)
+    from mlxserve.models.deepseek_v4 import v41_image_route
+    from mlxserve.models.deepseek_v4.v41_vision import load_v41_vision
+
+    module, vlm, bias_vl = load_v41_vision(path)
+    v41_image_route.install(module, bias_vl, int(vlm.config.image_token_id))
+    return module, vlm
+
+
+def _materialise(modules: list[Any], progress: LoadProgress) -> None:
     """Evaluate the lazily loaded parameters in slices of about 1/50 of their bytes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    flat: Any = tree_flatten(module.parameters())
+    flat: Any = [kv for module in modules for kv in tree_flatten(module.parameters())]
     arrays = [a for _, a in flat if isinstance(a, mx.array)]
     total = sum(int(a.nbytes) for a in arrays)
     logger.info("reading %.2f GB of weights", total / 1e9)
@@ -220,7 +239,9 @@ def load(
         module, vlm = _load_module(path, config, progress, shard)
         progress.enter("tokenizer")
         tokenizer = load_tokenizer(path, config.get("eos_token_id")) if with_tokenizer else None
-        tower = _load_tower(path, vlm, config) if vlm is not None and with_tokenizer else None
+        tower = (
+            _load_tower(path, module, vlm, config) if vlm is not None and with_tokenizer else None
+        )
     except (ValueError, KeyError, TypeError, FileNotFoundError, OSError) as e:
         raise ModelLoadError(f"cannot load {path}: {type(e).__name__}: {e}") from e
     # A vision checkpoint's language model runs as its own family does alone.
@@ -251,7 +272,14 @@ def load(
     return loaded
 
 
-def _load_tower(path: Path, vlm: Any, config: dict[str, Any]) -> VisionTower:
+def _load_tower(path: Path, module: Any, vlm: Any, config: dict[str, Any]) -> VisionTower:
+    if config["model_type"] == "deepseek_v41":
+        from mlx_vlm.utils import load_processor
+
+        from mlxserve.models.deepseek_v4.v41_vision import DeepseekV41Tower
+
+        processor = load_processor(path, add_detokenizer=False)
+        return DeepseekV41Tower(vlm, processor, module.model.embed_tokens.inner)
     if config["model_type"] == "deepseek_v4":
         from mlx_vlm.utils import load_processor
 

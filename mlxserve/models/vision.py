@@ -20,6 +20,8 @@ text llama. The rest is a `VisionTower`:
 
 DeepSeek-V4's tower (`models/deepseek_v4/vision.py`) is a `VisionTower` of its own: its
 language model is mlx-vlm's, and it reads the processor's image sentinels too.
+DeepSeek-V4.1's (`models/deepseek_v4/v41_vision.py`) sits beside mlx-lm's V4.1, whose
+gates route image positions by their own bias (`models/deepseek_v4/v41_image_route.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import numpy as np
 IMAGE_KEY_BASE = 1 << 30
 _KEY_MASK = IMAGE_KEY_BASE - 1
 # mlx-vlm families loaded as language model + vision tower (DeepSeek-V4 when its config
-# has `vision_n_layers > 0`, `models/deepseek_v4/vision.py`).
+# has `vision_n_layers > 0`, `models/deepseek_v4/vision.py`; V4.1 with `vision_num_layers
+# > 0`, `models/deepseek_v4/v41_vision.py`).
 VISION_TYPES = frozenset({"llava"})
 
 
@@ -45,6 +48,9 @@ def has_vision_tower(config: dict[str, Any]) -> bool:
     """Whether a checkpoint's config describes a vision tower mlxserve serves."""
     if config.get("model_type") == "deepseek_v4":
         return int(config.get("vision_n_layers") or 0) > 0
+    if config.get("model_type") == "deepseek_v41":  # mlx-vlm's names, flat or nested
+        nested = config.get("vision_config") or {}
+        return int(config.get("vision_num_layers") or nested.get("num_hidden_layers") or 0) > 0
     return config.get("model_type") in VISION_TYPES
 
 

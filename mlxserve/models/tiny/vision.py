@@ -14,6 +14,7 @@ The image is 56x56 pixels in 14-pixel patches: 16 image tokens per image.
 `--family deepseek_v4 --vision` writes the tiny DeepSeek-V4 of the text family with
 mlx-vlm's DeepSeek ViT and aligner (`vision_*` config fields) and the tokenizer's
 `<｜deepseek_image｜>` placeholder; mlx-vlm's processor for it needs no file of its own.
+`--family deepseek_v41 --vision` is V4.1's (`vision_v41.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ IMAGE_TOKEN_ID = 129279
 IMAGE_SIZE = 56
 PATCH_SIZE = 14
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
-VISION_FAMILIES = ("llama", "deepseek_v4")
+VISION_FAMILIES = ("llama", "deepseek_v4", "deepseek_v41")
 # DeepSeek-V4's image placeholder (mlx-vlm's processor), added to the tokenizer past the
 # image sentinels (vocab_size + 0..4) the processor writes in its place.
 DEEPSEEK_IMAGE_TOKEN = "<｜deepseek_image｜>"
@@ -154,6 +155,11 @@ def make_vision_model(
     out.mkdir(parents=True, exist_ok=True)
     if family == "deepseek_v4":
         _make_deepseek_v4(out, seed, layers, hidden)
+        return out
+    if family == "deepseek_v41":
+        from mlxserve.models.tiny.vision_v41 import make_deepseek_v41
+
+        make_deepseek_v41(out, seed, layers, hidden)
         return out
     default_layers, default_hidden = 2, 64
     config = llava_config(layers or default_layers, hidden or default_hidden)
