@@ -8,7 +8,9 @@ position only during prefill: projecting every prompt position through a
 Loading wraps the modules our batched caches need: DeepSeek-V4's overlap
 compressors (`deepseek_v4/overlap.py`) and DeepSeek-V4.1's attention (`deepseek_v4/v41_batch.py`,
 so V4.1 requests decode as one batch, each row at its own position), and
-on the CPU backend a float32 lm_head (`cpu_head`: same logits, faster).
+on the CPU backend a float32 lm_head (`cpu_head`: same logits, faster). A V4.1
+vision checkpoint's embedding and routers come wrapped from the loader
+(`deepseek_v4/v41_image_route.py`): a chunk with images is fed through their feed.
 """
 
 from __future__ import annotations
