@@ -201,6 +201,9 @@ def test_the_router_is_mlx_vlms_gate_on_the_same_rows(
         assert mx.allclose(weights, theirs[1], atol=1e-6).item()
         text = _by_expert(*layer.mlp.gate.inner(x))
         assert mx.array_equal(_by_expert(*layer.mlp.gate(x))[0], text[0])  # no feed: text
+        # The restated math is mlx-lm's router's on text rows, bit for bit.
+        restated = _by_expert(*layer.mlp.gate.route(x, mx.zeros((24,), dtype=mx.bool_)))
+        assert all(mx.array_equal(a, b) for a, b in zip(restated, text, strict=True))
         moved += int(mx.sum(mx.any(picks != text[0], axis=-1)).item())
     assert moved > 0
 

@@ -71,9 +71,9 @@ class ImageEmbedding(nn.Module):
 
     def __call__(self, ids: mx.array) -> mx.array:
         fed = self._feed.embeddings
-        if fed is None:
-            return self.inner(ids)
-        return fed.astype(self.inner.weight.dtype)
+        # The tower gave them the token embeddings' dtype (a quantized table's `weight`
+        # is packed integers, so not read here).
+        return self.inner(ids) if fed is None else fed
 
 
 class ImageRouter(nn.Module):
