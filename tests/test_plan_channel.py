@@ -105,6 +105,9 @@ class QueueGroup:
     def minimum(self, value: int) -> int:
         return value
 
+    def meet(self) -> None:
+        """No wake-up channel: a queue's get already sleeps."""
+
 
 def _same(a: list[Any], b: list[Any]) -> bool:
     xs, ys = cache_arrays(a), cache_arrays(b)

@@ -53,14 +53,7 @@ class PlanGroup:
 
     def broadcast(self, values: list[int] | None) -> list[int]:
         """Rank 0's `values` on every rank (others pass None)."""
-        if self.wakeup is not None:
-            try:
-                if values is None:
-                    self.wakeup.wait()
-                else:
-                    self.wakeup.notify()
-            except OSError as e:
-                raise PeerLost(f"rank {self.rank}: the plan channel failed: {e}") from e
+        self.meet()
         head = [0] * HEAD_INTS
         if values is not None:
             head[0] = len(values)
@@ -74,6 +67,19 @@ class PlanGroup:
             tail = values[HEAD_INTS - 1 :] if values is not None else [0] * rest
             body += self.total(tail)
         return body
+
+    def meet(self) -> None:
+        """Rank 0: a collective follows; a follower: sleep until rank 0 says one does
+        (with no wake-up channel, nothing: the collective itself waits)."""
+        if self.wakeup is None:
+            return
+        try:
+            if self.rank == 0:
+                self.wakeup.notify()
+            else:
+                self.wakeup.wait()
+        except OSError as e:
+            raise PeerLost(f"rank {self.rank}: the plan channel failed: {e}") from e
 
     def barrier(self) -> None:
         self.total([1])
