@@ -105,6 +105,9 @@ class QueueGroup:
     def minimum(self, value: int) -> int:
         return value
 
+    def meet(self) -> None:
+        """No wake-up channel: a queue's get already sleeps."""
+
 
 def _same(a: list[Any], b: list[Any]) -> bool:
     xs, ys = cache_arrays(a), cache_arrays(b)
@@ -203,6 +206,7 @@ def test_a_rank_asks_again_when_its_peer_is_not_up_yet(monkeypatch: pytest.Monke
         return TwoRanks()
 
     monkeypatch.setattr(group_module.mx.distributed, "init", init)
+    monkeypatch.setattr(group_module, "open_wakeup", lambda *args: None)
     joined = group_module.join_group()
     assert (joined.rank, joined.size, len(calls)) == (1, 2, 3)
     failures.extend([RuntimeError("[ring] Couldn't connect (error: 111)")] * 9)

@@ -115,6 +115,7 @@ def worker(args: argparse.Namespace) -> int:
 
         model = load(args.model, shard=sharding, with_tokenizer=False)
         follower = Follower(model, group, None)
+        group.meet()  # asleep until rank 0's engine runs the probe's forwards too
         cost = follower.runner.probe_cost()
         shared_budget(group, default_kv_budget(_weights(model)), cost.bytes_per_token)
         status = follower.serve()

@@ -332,6 +332,9 @@ class EngineCore:
     def _measure_memory(self, model: LoadedModel, runner: Runner) -> KVBudget:
         """The KV byte budget and this model's measured cache cost: a share of the
         pool several models' engines hold together, or this engine's own budget."""
+        if self.publisher is not None:
+            # The other ranks sleep until rank 0, loaded, runs the probe's forwards with them.
+            self.publisher.group.meet()
         cost = self._probe_cost(runner)
         self.weight_bytes = weights_nbytes(getattr(model.model, "module", model.model))
         if runner.tap.drafter is not None:  # the MTP head's own weights

@@ -5,7 +5,9 @@ sampler. Before each run it sends the step's plan (`codec.WirePlan`)
 with one `mx.distributed` collective (two for a long prompt), and every rank
 runs the same `Runner` forwards on its shard of the model: tensor parallel
 forwards sum inside each layer, pipeline forwards pass the hidden state from
-stage to stage, so no rank can run ahead of the others.
+stage to stage, so no rank can run ahead of the others. A follower waits for
+the next plan asleep on a socket to rank 0 (`wakeup.PlanWakeup`), not in the
+collective, which busy-polls on MLX's ring backend.
 
 Only rank 0's sampled tokens count: they reach the other ranks in the next
 plan, whose runners feed them (decode-ahead is off, since it would feed a

@@ -8,6 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.engine.distributed.wakeup import PlanWakeup, open_wakeup, rank0_address
 from mlxserve.engine.sampling import int_list
 
 logger = logging.getLogger("mlxserve.distributed")
@@ -28,14 +29,19 @@ class PeerLost(RuntimeError):
 
 
 class PlanGroup:
-    """The ranks, and the plan's broadcast over them (an `all_sum` where only rank 0 adds)."""
+    """The ranks, and the plan's broadcast over them (an `all_sum` where only rank 0 adds).
+
+    With a `wakeup` channel, a follower waiting for a broadcast sleeps on a socket
+    until rank 0 is about to send, instead of busy-polling inside the collective."""
 
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank = int(group.rank())
         self.size = int(group.size())
+        self.wakeup: PlanWakeup | None = None
 
-    def _sum(self, values: list[int]) -> list[int]:
+    def total(self, values: list[int]) -> list[int]:
+        """The sum over the ranks of each rank's `values` (the same length on each)."""
         try:
             total = mx.distributed.all_sum(
                 mx.array(values, dtype=mx.int32), group=self.group, stream=mx.cpu
@@ -47,22 +53,36 @@ class PlanGroup:
 
     def broadcast(self, values: list[int] | None) -> list[int]:
         """Rank 0's `values` on every rank (others pass None)."""
+        self.meet()
         head = [0] * HEAD_INTS
         if values is not None:
             head[0] = len(values)
             first = values[: HEAD_INTS - 1]
             head[1 : 1 + len(first)] = first
-        got = self._sum(head)
-        total = got[0]
-        body = got[1 : 1 + min(total, HEAD_INTS - 1)]
-        rest = total - len(body)
+        got = self.total(head)
+        count = got[0]
+        body = got[1 : 1 + min(count, HEAD_INTS - 1)]
+        rest = count - len(body)
         if rest > 0:
             tail = values[HEAD_INTS - 1 :] if values is not None else [0] * rest
-            body += self._sum(tail)
+            body += self.total(tail)
         return body
 
+    def meet(self) -> None:
+        """Rank 0: a collective follows; a follower: sleep until rank 0 says one does
+        (with no wake-up channel, nothing: the collective itself waits)."""
+        if self.wakeup is None:
+            return
+        try:
+            if self.rank == 0:
+                self.wakeup.notify()
+            else:
+                self.wakeup.wait()
+        except OSError as e:
+            raise PeerLost(f"rank {self.rank}: the plan channel failed: {e}") from e
+
     def barrier(self) -> None:
-        self._sum([1])
+        self.total([1])
 
     def minimum(self, value: int) -> int:
         """The smallest of each rank's `value` (int32 range), e.g. a memory budget in KiB."""
@@ -110,4 +130,6 @@ def join_group() -> PlanGroup:
             "--distributed needs several ranks: start it with mlx.launch "
             "(e.g. mlx.launch --hostfile hosts.json -- mlxserve serve MODEL --distributed pipeline)"
         )
-    return PlanGroup(group)
+    ranks = PlanGroup(group)
+    ranks.wakeup = open_wakeup(ranks.rank, ranks.size, ranks.total, rank0_address())
+    return ranks

@@ -70,6 +70,7 @@ def _serve(
         timeout = config.step_timeout_s + HEARTBEAT_GRACE_S
     follower = Follower(model, group, timeout)
     try:
+        group.meet()  # asleep until rank 0 has loaded and runs the probe's forwards too
         cost = follower.runner.probe_cost()
         budget = config.kv_memory_bytes or default_kv_budget(weights)
         shared_budget(group, budget, cost.bytes_per_token)
