@@ -24,6 +24,11 @@ settings.load_profile("derandomized")
 # verifies what a test's `pip download` fetches.
 os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-"))
 
+# One mlxserve cache folder for the run (a test that needs its own sets it): the servers
+# the tests start keep each checkpoint's measured cache cost there, so a checkpoint is
+# measured once a run, not once a server (DeepSeek-V4's probe is seconds of CPU).
+os.environ.setdefault("MLXSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-cache-"))
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The `mlx.launch` tests first (their one module is the longest to run): a test
