@@ -420,6 +420,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds", type=int, default=5, help="rounds per family and concurrency (the median)"
     )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="FAMILY=DIR",
+        help="a checkpoint of deepseek_v4 or qwen3 to use (default: tiny ones built on the spot)",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
 

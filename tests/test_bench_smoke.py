@@ -63,9 +63,10 @@ def test_bench_prefix_cache_reports_its_keys(tmp_path: Path, model_dir_factory) 
         assert figures[key] > 0
 
 
-def test_bench_structured_reports_its_keys(tmp_path: Path) -> None:
+def test_bench_structured_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
     out = tmp_path / "structured.json"
     args = ["bench", "structured", "--tokens", "6", "--rounds", "2"]
+    args += [f"--model={family}={model_dir_factory(family)}" for family in ("deepseek_v4", "qwen3")]
     assert cli_main([*args, "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["figures"]
     for key in ("constrained_over_free_1", "constrained_over_free_8", "mask_ms_p99"):
@@ -129,7 +130,7 @@ def test_bench_soak_reports_its_keys(tmp_path: Path, model_dir_factory) -> None:
     """A short soak on the tiny DeepSeek-V4; the acceptance run is 10 minutes, 6 agents."""
     out = tmp_path / "soak.json"
     model = str(model_dir_factory("deepseek_v4"))
-    args = ["bench", "soak", "--model", model, "--minutes", "0.1", "--agents", "3"]
+    args = ["bench", "soak", "--model", model, "--minutes", "0.05", "--agents", "3"]
     assert cli_main([*args, "--json", str(out)]) == 0
     figures = json.loads(out.read_text())["figures"]
     assert figures["unexpected_errors"] == 0, figures["unexpected_examples"]
