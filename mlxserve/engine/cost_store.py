@@ -3,11 +3,12 @@ checkpoint does not measure again (`cost_probe.measured_once`).
 
 One small JSON file per checkpoint and setting, under `<cache folder>/costs/`
 (`MLXSERVE_CACHE_DIR`, else ~/.cache/mlxserve), named by the SHA-256 of what the
-cost depends on (`cost_probe.checkpoint_key`) and of the versions of the code that
-measured it (mlx, mlx-lm, mlx-vlm, mlxserve, this file's format). The disk is a
-cache, never a source of truth (rule 10 of docs/architecture.md): a file is used
-only when its format, key and versions all match and its figures are sane;
-anything in doubt is a miss, logged and removed, and the cost is measured again.
+cost depends on (`cost_probe.checkpoint_key`) and of the code that measured it (the
+versions of mlx, mlx-lm, mlx-vlm and mlxserve, a digest of mlxserve's source, this
+file's format). The disk is a cache, never a source of truth (rule 10 of
+docs/architecture.md): a file is used only when its format, key and versions all match
+and its figures are sane; anything in doubt is a miss, logged and removed, and the cost
+is measured again.
 Writes are atomic (temp file, fsync, rename); a folder that cannot be written
 only costs the next start a measurement.
 """
@@ -15,6 +16,7 @@ only costs the next start a measurement.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -34,14 +36,27 @@ _PACKAGES = ("mlx", "mlx-lm", "mlx-vlm", "mlxserve")
 
 
 def code_versions() -> dict[str, str]:
-    """The versions of the code a cost was measured with ("" for a package not installed)."""
+    """The versions of the code a cost was measured with ("" for a package not installed),
+    and a digest of mlxserve's own source (a checkout changes without a new version)."""
     found = {}
     for package in _PACKAGES:
         try:
             found[package] = version(package)
         except PackageNotFoundError:
             found[package] = ""
+    found["mlxserve_source"] = _source_digest()
     return found
+
+
+@functools.cache
+def _source_digest() -> str:
+    """SHA-256 of every module of the mlxserve package (about 2 MB: milliseconds, once)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0")
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 class CostStore:
