@@ -368,6 +368,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         default=8192,
         help="cached history behind warm_ttft_8k_over_cold_64's 64-token suffix",
     )
+    p.add_argument("--rounds", type=int, default=3, help="rounds per figure (the median)")
     p.set_defaults(handler="mlxserve.bench.engine:run")
 
     p = bsub.add_parser("prefix-cache", help="cold vs warm TTFT and an 8-turn agent session")
@@ -422,6 +423,13 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rounds", type=int, default=5, help="rounds per family and concurrency (the median)"
     )
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        metavar="FAMILY=DIR",
+        help="a checkpoint of deepseek_v4 or qwen3 to use (default: tiny ones built on the spot)",
+    )
     p.add_argument("--json", default=None)
     p.set_defaults(handler="mlxserve.bench.structured:run")
 
@@ -437,6 +445,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--file-tokens", type=int, default=400, help="the file the reply re-emits")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--mtp-tokens", type=int, default=48, help="greedy tokens of each MTP parity prompt"
+    )
     p.add_argument(
         "--real",
         action="store_true",

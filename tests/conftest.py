@@ -1,10 +1,12 @@
-"""Shared fixtures: tiny seeded checkpoints, built once per test session."""
+"""Shared fixtures: tiny seeded checkpoints, built once per test run (its workers share them)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,9 @@ settings.load_profile("derandomized")
 # verifies what a test's `pip download` fetches.
 os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-"))
 
+# Whether the mlxserve cache folder was chosen outside the tests (`run_cache_dir`).
+_CACHE_DIR_GIVEN = "MLXSERVE_CACHE_DIR" in os.environ
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The `mlx.launch` tests first (their one module is the longest to run): a test
@@ -32,11 +37,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("distributed") is None)
 
 
+def _run_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder every test worker of this run shares: xdist's workers' temp folders sit
+    side by side in the run's own one (pytest keeps the last few runs' and removes older)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Held by one process of the run at a time (the workers' builds of one thing)."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One mlxserve cache folder for the run, shared by its workers (a test that needs its
+    own sets it): the engines and servers the tests start keep each checkpoint's measured
+    cache cost there, so a checkpoint is measured once a run, not once a server or worker
+    (DeepSeek-V4's probe is seconds of CPU)."""
+    folder = Path(os.environ["MLXSERVE_CACHE_DIR"]) if _CACHE_DIR_GIVEN else None
+    if folder is None:
+        folder = _run_folder(tmp_path_factory) / "mlxserve-cache"
+        folder.mkdir(exist_ok=True)
+        os.environ["MLXSERVE_CACHE_DIR"] = str(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`factory(family, seed=0, layers=None, hidden=None)` -> checkpoint dir (cached)."""
+    """`factory(family, seed=0, layers=None, hidden=None)` -> checkpoint dir, built once a
+    run: the test workers share it (the first to need it builds it, the others wait)."""
     from mlxserve.models.tiny.synthetic import make_model
 
+    root = _run_folder(tmp_path_factory) / "checkpoints"
+    root.mkdir(exist_ok=True)
     built: dict[tuple, Path] = {}
 
     def factory(
@@ -44,8 +84,14 @@ def model_dir_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
     ) -> Path:
         key = (family, seed, layers, hidden)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"{family}-s{seed}")
-            built[key] = make_model(out, family, seed=seed, layers=layers, hidden=hidden)
+            name = f"{family}-s{seed}-l{layers}-h{hidden}"
+            out = root / name
+            with _locked(root / f"{name}.lock"):
+                if not out.is_dir():  # a whole checkpoint: renamed into place once written
+                    part = root / f"{name}.part{os.getpid()}"
+                    make_model(part, family, seed=seed, layers=layers, hidden=hidden)
+                    part.rename(out)
+            built[key] = out
         return built[key]
 
     return factory

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,12 +21,11 @@ import pytest
 from api_fixtures import (
     ServerThread,
     assert_error_shape,
-    free_port,
     history_message,
     post,
     scripted_server,
+    serve_args,
 )
-from server_health import wait_healthy
 
 from mlxserve.models.tiny.scripted import write_checkpoint
 
@@ -89,20 +85,13 @@ def _server(scripts: list[str], *extra: str) -> ServerThread:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`mlxserve serve` on a scripted checkpoint (a tool call, then an answer), in a process."""
+    """`mlxserve serve` on a scripted checkpoint (a tool call, then an answer), loaded from
+    its folder as the command does (a real `serve` process is
+    `test_api_anthropic.test_real_serve_process_runs_a_tool_session`'s)."""
     ckpt = write_checkpoint(tmp_path_factory.mktemp("scripted"), [TOOL_TURN, ANSWER_TURN])
-    port = free_port()
-    command = [sys.executable, "-m", "mlxserve.cli", "serve", str(ckpt), "--port", str(port)]
-    command += ["--served-model-name", MODEL, "--responses-store", "8", "--log-level", "warning"]
-    proc = subprocess.Popen(command, env=dict(os.environ), stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        stderr = proc.stderr
-        wait_healthy(url, proc, describe_exit=lambda: stderr.read() if stderr else "")
-        yield url + "/v1"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    args = serve_args("--served-model-name", MODEL, "--responses-store", "8", model=str(ckpt))
+    with ServerThread(args, None) as srv:
+        yield srv.base_url
 
 
 def test_tool_turn_gives_reasoning_and_a_function_call(served: str) -> None:

@@ -103,7 +103,7 @@ def test_a_request_that_cannot_fit_fails_instead_of_waiting(model_dir_factory) -
 
 def test_a_lone_request_that_outgrows_the_budget_fails(model_dir_factory, loaded_factory) -> None:
     path = model_dir_factory("deepseek_v41")
-    cost = Runner(loaded_factory("deepseek_v41")).probe_cost()
+    cost = Runner(loaded_factory("deepseek_v41")).probe_cost(reuse=True)
     budget = cost.row(3 + 20)
     config = EngineConfig(kv_memory_bytes=budget, kv_reserve_tokens=0, prefix_cache=False)
 

@@ -50,19 +50,34 @@ def offline_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
-def resolve_in_process(spec: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """`resolve_model(spec)` in a fresh interpreter: huggingface_hub reads its
-    environment once, at import, so each case gets its own process."""
-    code = "import sys; from mlxserve.models.resolve import resolve_model\n"
-    code += "print(resolve_model(sys.argv[1]))"
-    return subprocess.run(
-        [sys.executable, "-c", code, spec],
+def resolve_in_process(specs: list[str], cwd: Path) -> list[str]:
+    """`resolve_model` of each spec in one fresh interpreter (huggingface_hub reads its
+    environment once, at import, so each case's environment gets its own process): the
+    folder each names, or `error: <its ModelLoadError>`."""
+    code = (
+        "import sys\n"
+        "from mlxserve.models.loaded import ModelLoadError\n"
+        "from mlxserve.models.resolve import resolve_model\n"
+        "for spec in sys.argv[1:]:\n"
+        "    try:\n"
+        "        print('resolved:', resolve_model(spec))\n"
+        "    except ModelLoadError as e:\n"
+        "        print('error:', ' '.join(str(e).split()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, *specs],
         cwd=cwd,
         capture_output=True,
         text=True,
         timeout=120,
         env=os.environ.copy(),
     )
+    assert done.returncode == 0, done.stderr
+    answers = [
+        line for line in done.stdout.splitlines() if line.startswith(("resolved:", "error:"))
+    ]
+    assert len(answers) == len(specs), done.stdout
+    return [a.removeprefix("resolved: ") for a in answers]
 
 
 def test_hub_ids_parse() -> None:
@@ -82,18 +97,18 @@ def test_ids_resolve_through_the_cache_and_a_directory_wins(
     tagged = lay_out_hub_cache(offline_hub, REPO, model, commit=other, ref="v2")
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    for spec, want in ((REPO, main), (f"{REPO}@v2", tagged), (f"{REPO}@{COMMIT}", main)):
-        done = resolve_in_process(spec, elsewhere)
-        assert done.returncode == 0, done.stderr
-        assert Path(done.stdout.strip()) == want, spec
+    cases = {REPO: main, f"{REPO}@v2": tagged, f"{REPO}@{COMMIT}": main}
+    for (spec, want), got in zip(
+        cases.items(), resolve_in_process([*cases], elsewhere), strict=True
+    ):
+        assert Path(got) == want, (spec, got)
     # A directory of the same name, where the server runs, is what the user meant.
     local = elsewhere / REPO
     shutil.copytree(model, local)
-    done = resolve_in_process(REPO, elsewhere)
-    assert done.returncode == 0 and done.stdout.strip() == REPO, done.stderr
-    done = resolve_in_process("nobody/nothing", elsewhere)
-    assert done.returncode != 0
-    assert "nobody/nothing" in done.stderr and "HF_HUB_OFFLINE" in done.stderr
+    here, unknown = resolve_in_process([REPO, "nobody/nothing"], elsewhere)
+    assert here == REPO
+    assert unknown.startswith("error:") and "nobody/nothing" in unknown
+    assert "HF_HUB_OFFLINE" in unknown
 
 
 def test_serve_loads_a_hub_id_from_the_cache(

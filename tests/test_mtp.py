@@ -206,7 +206,7 @@ def test_mtp_parity_after_a_prefix_hit_under_a_grammar_and_beside_a_chunked_pref
 def test_mtp_parity_across_a_preemption(mtp_dir) -> None:
     from mlxserve.engine.runner import Runner
 
-    cost = Runner(load(mtp_dir)).probe_cost()
+    cost = Runner(load(mtp_dir)).probe_cost(reuse=True)
     params = SamplingParams(max_tokens=30, temperature=0.0)
     jobs = [(_prompt(24, 8 + i), params) for i in range(3)]
     # Room for about two of the three: the newest is preempted, resumes, and its

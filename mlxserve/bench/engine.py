@@ -24,8 +24,6 @@ from mlxserve.engine.async_engine import AsyncEngine
 from mlxserve.engine.request import SamplingParams
 from mlxserve.models.load import load
 
-ROUNDS = 3
-LATENCY_ROUNDS = 3
 PROMPT_TOKENS = 32
 SUFFIX_TOKENS = 64
 _ids = itertools.count()
@@ -109,13 +107,13 @@ def _prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
 
 
 async def _throughput(
-    engine: AsyncEngine, reference: Reference, vocab: int, tokens: int
+    engine: AsyncEngine, reference: Reference, vocab: int, tokens: int, rounds: int
 ) -> dict[str, Any]:
     prompt = _prompts(vocab, 1, PROMPT_TOKENS, 13)[0]
     prompts = _prompts(vocab, 8, PROMPT_TOKENS, 5)
     ours, theirs, batched_8, batched_4, theirs_8 = [], [], [], [], []
     await _rate(engine, prompt, 4)  # warm-up
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         ours.append(await _rate(engine, prompt, tokens))
         theirs.append(await reference.rate(prompt, tokens))
         batched_8.append(await _batch_rate(engine, prompts, tokens))
@@ -141,11 +139,11 @@ async def _throughput(
     return figures
 
 
-async def _latency(engine: AsyncEngine, vocab: int, long: list[int]) -> dict[str, Any]:
+async def _latency(engine: AsyncEngine, vocab: int, long: list[int], rounds: int) -> dict[str, Any]:
     """TTFT of a short prompt and ITL of a stream while a long prompt prefills, vs alone."""
     short = _prompts(vocab, 1, PROMPT_TOKENS, 17)[0]
     alone, contended, itl_alone, itl_contended = [], [], [], []
-    for _ in range(LATENCY_ROUNDS):
+    for _ in range(rounds):
         alone.append(await _ttft(engine, short))
         contended.append(await _ttft_under_long_prefill(engine, long, short))
         itl_alone.append(await _solo_itl(engine, short, 32))
@@ -175,7 +173,9 @@ async def _unchunked_ttft_ratio(path: Path, long: list[int], short: list[int]) -
     return contended / alone
 
 
-async def _warm_ttft_ratio(path: Path, vocab: int, history_tokens: int) -> dict[str, Any]:
+async def _warm_ttft_ratio(
+    path: Path, vocab: int, history_tokens: int, rounds: int
+) -> dict[str, Any]:
     """TTFT of a 64-token new suffix on a cached long history / TTFT of a cold 64-token
     prompt, and both against the bare forward of such a suffix on a ready cache."""
     config = EngineConfig(prefix_cache_bytes=1 << 32)
@@ -186,7 +186,7 @@ async def _warm_ttft_ratio(path: Path, vocab: int, history_tokens: int) -> dict[
     try:
         await _ttft(engine, _prompts(vocab, 1, SUFFIX_TOKENS, 3)[0])  # warm-up
         _, stamps = await _stamps(engine, prompt, 1)
-        for turn in range(ROUNDS):
+        for turn in range(rounds):
             cold.append(await _ttft(engine, _prompts(vocab, 1, SUFFIX_TOKENS, 101 + turn)[0]))
             suffix = _prompts(vocab, 1, SUFFIX_TOKENS, 201 + turn)[0]
             prompt = prompt + suffix
@@ -222,10 +222,11 @@ async def _measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
         "model_type": model.model_type,
         "hidden_size": model.config.get("hidden_size"),
         "decode_tokens": args.tokens,
+        "rounds": args.rounds,
     }
     try:
-        figures.update(await _throughput(engine, reference, vocab, args.tokens))
-        figures.update(await _latency(engine, vocab, long))
+        figures.update(await _throughput(engine, reference, vocab, args.tokens, args.rounds))
+        figures.update(await _latency(engine, vocab, long, args.rounds))
     finally:
         await engine.shutdown()
         reference.close()
@@ -233,7 +234,7 @@ async def _measure(path: Path, args: argparse.Namespace) -> dict[str, Any]:
     figures["short_ttft_under_long_prefill_unchunked"] = await _unchunked_ttft_ratio(
         path, long, short
     )
-    figures.update(await _warm_ttft_ratio(path, vocab, args.history_tokens))
+    figures.update(await _warm_ttft_ratio(path, vocab, args.history_tokens, args.rounds))
     return figures
 
 

@@ -69,7 +69,7 @@ async def _run(path: Path, config: EngineConfig, batch: list[list[int]], n: int)
 def measure(path: Path, scenario: Scenario) -> dict[str, Any]:
     model = load(path)
     runner = Runner(model)
-    cost = runner.probe_cost()
+    cost = runner.probe_cost(reuse=True)
     batch = prompts(scenario, model.vocab_size)
     longest = max(len(p) for p in batch)
     rows = [longest + scenario.reserve_tokens + 2] * scenario.fits

@@ -107,11 +107,11 @@ MTP_TOKENS = 48
 
 
 async def _greedy_tokens(
-    path: Path, speculative: str, k: int
+    path: Path, speculative: str, k: int, tokens: int
 ) -> tuple[list[list[int]], dict[str, Any]]:
     """Greedy tokens of a few prompts, one after another, and the drafts' stats."""
     engine = await _engine(lambda: load(path), speculative, k)
-    params = SamplingParams(max_tokens=MTP_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     try:
         outputs = []
         for i in range(MTP_PROMPTS):
@@ -123,9 +123,9 @@ async def _greedy_tokens(
         await engine.shutdown()
 
 
-async def _measure_mtp(path: Path, k: int) -> dict[str, Any]:
-    plain, _ = await _greedy_tokens(path, "off", k)
-    drafted, stats = await _greedy_tokens(path, "mtp", k)
+async def _measure_mtp(path: Path, k: int, tokens: int = MTP_TOKENS) -> dict[str, Any]:
+    plain, _ = await _greedy_tokens(path, "off", k, tokens)
+    drafted, stats = await _greedy_tokens(path, "mtp", k, tokens)
     proposed = stats.get("draft_tokens", 0)
     return {
         "mtp_parity": int(plain == drafted),
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         mtp_path = Path(args.mtp_model) if args.mtp_model else None
         if mtp_path is None:
             mtp_path = make_model(Path(tmp) / "v4-mtp", "deepseek_v4", mtp_layers=1)
-        figures.update(asyncio.run(_measure_mtp(mtp_path, k)))
+        figures.update(asyncio.run(_measure_mtp(mtp_path, k, args.mtp_tokens)))
     figures["backend"] = "gpu" if mx.default_device() == mx.gpu else "cpu"
     emit("speculative", figures, args.json)
     return 0

