@@ -44,7 +44,7 @@ browser:
 # another, first (tests/conftest.py orders them first; --no-loadscope-reorder keeps
 # that order instead of xdist's most-tests-first, which left them running alone last).
 test: lint browser
-	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder
+	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
 # docs/dashboard.png, the README's picture of the operator page, from a live server under load.
 screenshot: $(VENV)/.installed-dev browser
