@@ -36,7 +36,14 @@ import pytest
 from api_fixtures import ServerThread, serve_args
 from engine_helpers import started_engine, tokens_of
 from image_helpers import anthropic_image, data_url, openai_image, responses_image
-from vision_helpers import Oracle, image_part, noise_png, submit_prompts
+from vision_helpers import (
+    Oracle,
+    assert_hits_around_images,
+    image_part,
+    image_turns,
+    noise_png,
+    submit_prompts,
+)
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.cli import main as cli_main
@@ -65,20 +72,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def oracle(checkpoint: Path) -> Oracle:
     return Oracle(checkpoint)
-
-
-def _turns(image: bytes | None, next_turn: bool = False) -> list[dict[str, Any]]:
-    content: list[Any] = [{"type": "text", "text": "Look:"}]
-    if image is not None:
-        content.append(image_part(image))
-    content.append({"type": "text", "text": "What is it?"})
-    messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
-    if next_turn:
-        messages += [
-            {"role": "assistant", "content": "A picture."},
-            {"role": "user", "content": "Which colours?"},
-        ]
-    return messages
 
 
 def _run(
@@ -258,7 +251,9 @@ def test_the_placeholder_sits_where_mlx_vlms_processor_puts_it(checkpoint: Path)
 
     model = load(checkpoint)
     assert model.reads_images and model.vision is not None and model.vision.whole_images
-    prompt = render_prompt(model, PromptRequest(_turns(SHOT), chat_template_kwargs=NO_THINKING))
+    prompt = render_prompt(
+        model, PromptRequest(image_turns(SHOT), chat_template_kwargs=NO_THINKING)
+    )
     theirs = DeepseekV4Processor._content_to_text(
         [
             {"type": "text", "text": "Look:"},
@@ -276,9 +271,9 @@ def test_the_placeholder_sits_where_mlx_vlms_processor_puts_it(checkpoint: Path)
 # Three image prompts (the last with a block longer than the window) and two text ones, the
 # second long (several chunks under any small budget).
 CONVERSATIONS = (
-    _turns(SHOT),
-    _turns(None),
-    _turns(OTHER, next_turn=True),
+    image_turns(SHOT),
+    image_turns(None),
+    image_turns(OTHER, next_turn=True),
     [{"role": "user", "content": LONG}],
     _text_image_text(BIG_SHOT),
 )
@@ -325,17 +320,13 @@ def test_a_prefix_hit_ends_before_an_image_or_covers_it(
         _text_image_text(SHOT),
         _text_image_text(OTHER),
         _text_image_text(THIRD),
-        _turns(SHOT),
-        _turns(SHOT, next_turn=True),
+        image_turns(SHOT),
+        image_turns(SHOT, next_turn=True),
     ]
     prompts, runs, stats = _run(checkpoint, EngineConfig(), conversations, one_by_one=True)
-    cached = [hit for _, hit in runs]
-    assert cached[:2] == [0, 0] and cached[3] == 0
-    assert cached[2] == prompts[2].images[0].start  # the text before the image
-    assert cached[4] >= prompts[4].images[0].end  # the whole first turn, its image too
+    assert_hits_around_images(prompts, [hit for _, hit in runs], stats["vision"])
     for prompt, (tokens, _) in zip(prompts, runs, strict=True):
         assert tokens == one_forward.tokens(prompt)
-    assert stats["vision"]["images"] == 4  # all but the re-sent one
 
 
 class Serving:

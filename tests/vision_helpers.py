@@ -98,3 +98,34 @@ async def submit_prompts(
     if one_by_one:
         return [await submit(p) for p in prompts]
     return list(await asyncio.gather(*(submit(p) for p in prompts)))
+
+
+def image_turns(
+    image: bytes | None, question: str = "What is it?", next_turn: bool = False
+) -> list[dict[str, Any]]:
+    """A user turn "Look:" + the image + `question`; with `next_turn`, the assistant's
+    answer and a second question after it (an agent's next request re-sends the image)."""
+    content: list[Any] = [{"type": "text", "text": "Look:"}]
+    if image is not None:
+        content.append(image_part(image))
+    content.append({"type": "text", "text": question})
+    messages: list[dict[str, Any]] = [{"role": "user", "content": content}]
+    if next_turn:
+        messages += [
+            {"role": "assistant", "content": "A picture."},
+            {"role": "user", "content": "Which colours?"},
+        ]
+    return messages
+
+
+def assert_hits_around_images(
+    prompts: Sequence[PromptIds], hits: Sequence[int], vision: dict[str, Any]
+) -> None:
+    """The prefix-cache reads of five prompts run one by one: text + image A + text,
+    the same text + image B (branches before its image), the same text + image C (hits
+    only that text), a first turn with image A, and its next turn re-sending A (hits
+    past A, whose tower then does not run: 4 images read of 5)."""
+    assert list(hits[:2]) == [0, 0] and hits[3] == 0
+    assert hits[2] == prompts[2].images[0].start  # the text before the image
+    assert hits[4] >= prompts[4].images[0].end  # the whole first turn, its image too
+    assert vision["images"] == 4  # all but the re-sent one
