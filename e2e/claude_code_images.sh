@@ -48,9 +48,10 @@ ImageDraw.Draw(image).rectangle((30, 20, 90, 60), fill=(220, 30, 30))
 image.save(sys.argv[1])
 EOF
 
-# (The tiny LLaVA rather than the tiny DeepSeek-V4: DeepSeek-V4 takes a prompt up to its
-# last image in one forward, and Claude Code's prompt is long: minutes on a CPU.)
-"$BIN/mlxserve" make-model "$WORK/vision" --family llama --vision >/dev/null
+# The tiny LLaVA by default; VISION_FAMILY=deepseek_v4 (or deepseek_v41) runs the same
+# session on that family's tiny vision checkpoint (Claude Code's long prompt is prefilled
+# in budgeted chunks there too, each image whole in one: slower on a CPU, same checks).
+"$BIN/mlxserve" make-model "$WORK/vision" --family "${VISION_FAMILY:-llama}" --vision >/dev/null
 "$BIN/python" - "$WORK/vision/config.json" <<'EOF'
 import json
 import sys
