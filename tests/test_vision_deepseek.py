@@ -23,7 +23,6 @@ another image is not.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,22 +33,22 @@ import mlx.core as mx
 import openai
 import pytest
 from api_fixtures import ServerThread, serve_args
-from engine_helpers import started_engine, tokens_of
 from image_helpers import anthropic_image, data_url, openai_image, responses_image
 from vision_helpers import (
     Oracle,
+    Runs,
     assert_hits_around_images,
+    chunk_inputs,
     image_part,
     image_turns,
     noise_png,
-    submit_prompts,
+    run_conversations,
 )
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.cli import main as cli_main
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.vision_inputs import VisionInputs
 from mlxserve.models.deepseek_v4.image_chunk import chunk_hidden, image_chunk_mask
 from mlxserve.models.load import load
 from mlxserve.models.vision import IMAGE_KEY_BASE
@@ -75,28 +74,9 @@ def oracle(checkpoint: Path) -> Oracle:
 
 
 def _run(
-    checkpoint: Path,
-    config: EngineConfig,
-    conversations: Sequence[list[dict[str, Any]]],
-    one_by_one: bool,
-) -> tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]:
-    """Each conversation rendered by the engine's model, its (tokens, cached tokens); the
-    engine's stats. The model loads on the engine's thread, as a server loads it."""
-
-    async def main() -> tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]:
-        engine = await started_engine(config, lambda: load(checkpoint))
-        prompts = [
-            render_prompt(engine.model, PromptRequest(m, chat_template_kwargs=NO_THINKING))
-            for m in conversations
-        ]
-        try:
-            runs = await submit_prompts(engine, prompts, MAX_TOKENS, one_by_one)
-            results = [(tokens_of(events), events[-1].cached_tokens) for events in runs]
-            return prompts, results, engine.stats()
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+    checkpoint: Path, config: EngineConfig, conversations: Sequence[list[Any]], one_by_one: bool
+) -> Runs:
+    return run_conversations(checkpoint, config, conversations, one_by_one, MAX_TOKENS, NO_THINKING)
 
 
 def _agrees_with_mlx_vlm(
@@ -136,12 +116,7 @@ class OneForward:
         self.module = self.model.model.module  # mlx-vlm's LanguageModel
 
     def inputs(self, prompt: PromptIds, start: int, end: int) -> tuple[mx.array, Any]:
-        """The ids the model reads at [start, end) and their embeddings (None: no image)."""
-        request = Request("oracle", list(prompt.token_ids), SamplingParams(), 0.0)
-        request.images = prompt.images
-        vision = VisionInputs(self.model.vision)
-        ids = mx.array([vision.model_ids(request, start, end)], dtype=mx.int32)
-        return ids, vision.embeddings(request, start, end)
+        return chunk_inputs(self.model, prompt, start, end)
 
     def logits(self, prompt: PromptIds, cuts: Sequence[int]) -> mx.array:
         """(L, V): the prompt fed in chunks [cuts[i], cuts[i + 1]), those with images

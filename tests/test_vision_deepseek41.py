@@ -16,7 +16,6 @@ inside the span), batched and cache-warm runs give the one forward's tokens exac
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,22 +25,21 @@ import mlx.core as mx
 import openai
 import pytest
 from api_fixtures import ServerThread, serve_args
-from engine_helpers import started_engine, tokens_of
 from image_helpers import data_url, openai_image
 from PIL import Image
 from vision_helpers import (
+    Runs,
     assert_hits_around_images,
+    chunk_inputs,
     image_part,
     image_turns,
     noise_png,
-    submit_prompts,
+    run_conversations,
 )
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.cli import main as cli_main
 from mlxserve.config import EngineConfig
-from mlxserve.engine.request import Request, SamplingParams
-from mlxserve.engine.vision_inputs import VisionInputs
 from mlxserve.models.deepseek_v4.v41_image_route import ImageRouter, image_feed
 from mlxserve.models.deepseek_v4.v41_vision import DeepseekV41Tower
 from mlxserve.models.load import load
@@ -91,20 +89,11 @@ def _render(model: LoadedModel, conversation: list[Any]) -> PromptIds:
     return render_prompt(model, PromptRequest(conversation, chat_template_kwargs=NO_THINKING))
 
 
-def _inputs(model: LoadedModel, prompt: PromptIds, start: int, end: int) -> tuple[Any, Any]:
-    """The ids the language model reads at [start, end), their embeddings (None: text)."""
-    request = Request("oracle", list(prompt.token_ids), SamplingParams(), 0.0)
-    request.images = prompt.images
-    vision = VisionInputs(model.vision)
-    ids = mx.array([vision.model_ids(request, start, end)], dtype=mx.int32)
-    return ids, vision.embeddings(request, start, end)
-
-
 def _chunk_logits(model: LoadedModel, prompt: PromptIds, cuts: Sequence[int]) -> mx.array:
     """(L, V): the prompt fed in chunks [cuts[i], cuts[i + 1]) over one cache."""
     module, cache, out = model.model.module, model.make_cache(), []
     for start, end in zip(cuts, cuts[1:], strict=False):
-        ids, embeddings = _inputs(model, prompt, start, end)
+        ids, embeddings = chunk_inputs(model, prompt, start, end)
         if embeddings is None:
             out.append(model.model(ids, cache)[0])
         else:
@@ -117,7 +106,7 @@ def _chunk_logits(model: LoadedModel, prompt: PromptIds, cuts: Sequence[int]) ->
 def _one_forward_tokens(model: LoadedModel, prompt: PromptIds) -> list[int]:
     """Our single-request greedy run: the whole prompt in one forward, then a token a step."""
     cache = model.make_cache()
-    ids, embeddings = _inputs(model, prompt, 0, len(prompt.token_ids))
+    ids, embeddings = chunk_inputs(model, prompt, 0, len(prompt.token_ids))
     logits = model.model.last_logits(ids, cache, embeddings=embeddings)
     tokens = [int(mx.argmax(logits[0]))]
     while len(tokens) < MAX_TOKENS:
@@ -148,21 +137,8 @@ def _mlx_vlm_tokens(mlx_vlm_model: Any, prompt: PromptIds, images: list[bytes]) 
 
 def _run(
     checkpoint: Path, config: EngineConfig, conversations: Sequence[list[Any]], one_by_one: bool
-) -> tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]:
-    """Each conversation rendered by the engine's model, its (tokens, cached tokens); the
-    engine's stats."""
-
-    async def main() -> tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]:
-        engine = await started_engine(config, lambda: load(checkpoint))
-        prompts = [_render(engine.model, m) for m in conversations]
-        try:
-            runs = await submit_prompts(engine, prompts, MAX_TOKENS, one_by_one)
-            results = [(tokens_of(events), events[-1].cached_tokens) for events in runs]
-            return prompts, results, engine.stats()
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
+) -> Runs:
+    return run_conversations(checkpoint, config, conversations, one_by_one, MAX_TOKENS, NO_THINKING)
 
 
 def test_the_checkpoint_serves_mlx_lms_text_model_and_mlx_vlms_tower(
@@ -221,7 +197,7 @@ def test_features_are_mlx_vlms_merge_and_tokens_its_generation(
     inputs = processor(text=[prompt.text], images=[Image.open(io.BytesIO(SHOT)).convert("RGB")])
     merged = vlm.get_input_embeddings(inputs["input_ids"], inputs["pixel_values"]).inputs_embeds
     assert inputs["input_ids"].shape[1] == len(prompt.token_ids)
-    _, embeddings = _inputs(model, prompt, 0, len(prompt.token_ids))
+    _, embeddings = chunk_inputs(model, prompt, 0, len(prompt.token_ids))
     assert mx.array_equal(
         embeddings[0, image.start : image.end], merged[0, image.start : image.end]
     )

@@ -9,13 +9,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine_helpers import collect
+import mlx.core as mx
+from engine_helpers import collect, started_engine, tokens_of
 from PIL import Image
 
 from mlxserve.chat import PromptIds, PromptRequest, render_prompt
 from mlxserve.chat.images import ImagePart
 from mlxserve.cli import main as cli_main
-from mlxserve.engine.request import SamplingParams
+from mlxserve.config import EngineConfig
+from mlxserve.engine.request import Request, SamplingParams
+from mlxserve.engine.vision_inputs import VisionInputs
+from mlxserve.models.load import load
 from mlxserve.models.loaded import LoadedModel
 
 
@@ -129,3 +133,43 @@ def assert_hits_around_images(
     assert hits[2] == prompts[2].images[0].start  # the text before the image
     assert hits[4] >= prompts[4].images[0].end  # the whole first turn, its image too
     assert vision["images"] == 4  # all but the re-sent one
+
+
+Runs = tuple[list[PromptIds], list[tuple[list[int], int]], dict[str, Any]]
+
+
+def run_conversations(
+    checkpoint: Path,
+    config: EngineConfig,
+    conversations: Sequence[list[Any]],
+    one_by_one: bool,
+    max_tokens: int,
+    chat_template_kwargs: dict[str, Any],
+) -> Runs:
+    """Each conversation rendered by the engine's model, its greedy (tokens, cached
+    tokens); the engine's stats. The model loads on the engine's thread, as a server's."""
+
+    async def main() -> Runs:
+        engine = await started_engine(config, lambda: load(checkpoint))
+        requests = [
+            PromptRequest(m, chat_template_kwargs=chat_template_kwargs) for m in conversations
+        ]
+        prompts = [render_prompt(engine.model, r) for r in requests]
+        try:
+            runs = await submit_prompts(engine, prompts, max_tokens, one_by_one)
+            results = [(tokens_of(events), events[-1].cached_tokens) for events in runs]
+            return prompts, results, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
+
+
+def chunk_inputs(model: LoadedModel, prompt: PromptIds, start: int, end: int) -> tuple[Any, Any]:
+    """The ids the language model reads at [start, end) of `prompt` and their input
+    embeddings (None: no image there), as the engine feeds that chunk."""
+    request = Request("oracle", list(prompt.token_ids), SamplingParams(), 0.0)
+    request.images = prompt.images
+    vision = VisionInputs(model.vision)
+    ids = mx.array([vision.model_ids(request, start, end)], dtype=mx.int32)
+    return ids, vision.embeddings(request, start, end)
