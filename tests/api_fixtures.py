@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,14 +12,13 @@ import httpx
 from server_health import wait_healthy
 
 from mlxserve.api.serve import build_app
+from mlxserve.bench.launcher import free_loopback_ports
 from mlxserve.cli import build_parser
 from mlxserve.models.loaded import LoadedModel
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_ports()
 
 
 def serve_args(*extra: str, model: str = "test-model") -> argparse.Namespace:

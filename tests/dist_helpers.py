@@ -30,7 +30,7 @@ import httpx
 from api_fixtures import free_port
 from server_health import health_status, wait_healthy
 
-from mlxserve.bench.distributed import loopback_launch
+from mlxserve.bench.launcher import loopback_launch, start_launch
 
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 # Each rank runs on a core of its own (see pin_rank.py).
@@ -75,9 +75,8 @@ class LaunchedServer:
 
     def __enter__(self) -> LaunchedServer:
         self._log_file = self.log.open("wb")
-        self.proc = subprocess.Popen(
+        self.proc = start_launch(
             self.argv,
-            stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,

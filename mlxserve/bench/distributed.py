@@ -22,8 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlxserve.bench.launcher import loopback_launch, start_launch
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
 from mlxserve.engine.request import SamplingParams
@@ -152,29 +151,6 @@ async def _measure_published(engine: Any, publisher: Any, args: argparse.Namespa
     return figures
 
 
-def free_port_pair() -> int:
-    """A port P with P + 1 free too: the ring backend's ranks listen on P, P + 1, ..."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as first:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            if port >= 65535:
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-            return port
-
-
-def loopback_launch(*command: str) -> list[str]:
-    """`mlx.launch` running `command` as two ranks of this machine (ring, 127.0.0.1 only)."""
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-    ring = ["--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
-    return [launcher, *ring, "--starting-port", str(free_port_pair()), "--", *command]
-
-
 def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Run the worker on two local ranks; each rank's figures."""
     command = loopback_launch(
@@ -197,9 +173,13 @@ def launch(path: Path, mode: str, args: argparse.Namespace, out: Path) -> list[d
         "--vocab",
         str(args.vocab),
     )
-    done = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"mlx.launch {mode} failed ({done.returncode}): {done.stderr[-3000:]}")
+    log = out.with_suffix(".log")
+    with log.open("wb") as sink:
+        proc = start_launch(command, stdout=sink, stderr=subprocess.STDOUT)
+        returncode = proc.wait()
+    if returncode != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"mlx.launch {mode} failed ({returncode}): {tail}")
     return [json.loads(out.with_suffix(f".rank{r}.json").read_text()) for r in range(2)]
 
 

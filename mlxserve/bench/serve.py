@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from typing import Any
 
 import httpx
 
+from mlxserve.bench.launcher import free_loopback_ports
 from mlxserve.bench.report import emit
 
 TOPICS = ("rivers", "bridges", "owls", "glaciers", "ciphers", "lanterns", "orchards", "comets")
@@ -171,19 +171,13 @@ def ratios(ours: dict[str, Any], theirs: dict[str, Any]) -> dict[str, float | No
     }
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalServer:
     """`mlxserve serve` in a subprocess on a free loopback port (stopped on exit)."""
 
     def __init__(
         self, model: str | None, max_num_seqs: int, extra_args: tuple[str, ...] = ()
     ) -> None:
-        self.port = _free_port()
+        self.port = free_loopback_ports()
         self.url = f"http://127.0.0.1:{self.port}"
         source = ["--demo", "deepseek-v4"] if model is None else [model]
         self.command = [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import zlib
 from typing import Any
 
@@ -112,9 +113,24 @@ def shared_budget(group: PlanGroup, budget_bytes: int, bytes_per_token: float) -
     return min(budget_bytes, int(fewest * per_token))
 
 
+def let_go_of_stdin() -> None:
+    """Read stdin from /dev/null from now on: a rank reads no input, and mlx.launch
+    forwards its own input to each rank by polling the rank's stdin pipe, busily, for as
+    long as the pipe is open; once this end is closed, the first byte it forwards breaks
+    the pipe and ends that polling."""
+    try:
+        null = os.open(os.devnull, os.O_RDONLY)
+    except OSError as e:
+        logger.warning("stdin stays as it is (%s): mlx.launch may keep polling it", e)
+        return
+    os.dup2(null, 0)
+    os.close(null)
+
+
 def join_group() -> PlanGroup:
     """This process's place among the ranks `mlx.launch` started (RuntimeError if alone,
     or if a peer did not come up in `JOIN_ATTEMPTS` tries)."""
+    let_go_of_stdin()
     for attempt in range(1, JOIN_ATTEMPTS + 1):
         try:
             group = mx.distributed.init()
