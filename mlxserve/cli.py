@@ -548,6 +548,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "distributed", None):
+        from mlxserve.engine.distributed.stdin import let_go_of_stdin
+
+        let_go_of_stdin()
     module_name, func_name = args.handler.split(":")
     handler = getattr(importlib.import_module(module_name), func_name)
     try:

@@ -44,7 +44,7 @@ def test_a_taken_port_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None
 
 RANK = """
 import os, sys
-from mlxserve.engine.distributed.group import let_go_of_stdin
+from mlxserve.engine.distributed.stdin import let_go_of_stdin
 let_go_of_stdin()
 print("rank", os.environ["MLX_RANK"], "stdin", os.readlink("/proc/self/fd/0"), flush=True)
 """

@@ -32,6 +32,7 @@ from typing import Any
 from mlxserve.bench.launcher import loopback_launch, start_launch
 from mlxserve.bench.report import emit
 from mlxserve.config import EngineConfig
+from mlxserve.engine.distributed.stdin import let_go_of_stdin
 from mlxserve.engine.request import SamplingParams
 
 MODES = {"tp2": "tensor", "pp2": "pipeline"}
@@ -233,6 +234,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _worker_main() -> int:
+    let_go_of_stdin()
     p = argparse.ArgumentParser()
     p.add_argument("--worker", action="store_true", required=True)
     p.add_argument("--mode", required=True)

@@ -67,7 +67,7 @@ def loopback_launch(*command: str) -> list[str]:
 
 
 # How often `start_launch` hands mlx.launch a byte to forward.
-_NUDGE_EVERY_S = 1.0
+_NUDGE_EVERY_S = 0.25
 
 
 def start_launch(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
@@ -77,9 +77,10 @@ def start_launch(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     waits in `select` on the rank's stdin pipe as writable, which a pipe always is:
     each thread spins while its rank lives, and its main loop spins too when its own
     input is at end of file (/dev/null). Together about 1.2 cores for the launch's
-    whole life. So mlx.launch reads a pipe kept open here, and a newline every second:
-    a rank that has let go of its stdin (`join_group` does, first thing) breaks its
-    pipe, and the first byte forwarded to it then ends that thread's polling."""
+    whole life. So mlx.launch reads a pipe kept open here, and a newline four times a
+    second: a rank that has let go of its stdin (`serve --distributed` does before it
+    imports MLX, `engine/distributed/stdin.py`) breaks its pipe, and the next byte
+    forwarded to it ends that thread's polling."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, **popen)
     feed = proc.stdin
     assert feed is not None

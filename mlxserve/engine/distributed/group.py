@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from typing import Any
 
 import mlx.core as mx
 
+from mlxserve.engine.distributed.stdin import let_go_of_stdin
 from mlxserve.engine.distributed.wakeup import PlanWakeup, open_wakeup, rank0_address
 from mlxserve.engine.sampling import int_list
 
@@ -111,20 +111,6 @@ def shared_budget(group: PlanGroup, budget_bytes: int, bytes_per_token: float) -
     tokens = min(int(budget_bytes / per_token), 2**31 - 1)
     fewest = group.minimum(tokens)
     return min(budget_bytes, int(fewest * per_token))
-
-
-def let_go_of_stdin() -> None:
-    """Read stdin from /dev/null from now on: a rank reads no input, and mlx.launch
-    forwards its own input to each rank by polling the rank's stdin pipe, busily, for as
-    long as the pipe is open; once this end is closed, the first byte it forwards breaks
-    the pipe and ends that polling."""
-    try:
-        null = os.open(os.devnull, os.O_RDONLY)
-    except OSError as e:
-        logger.warning("stdin stays as it is (%s): mlx.launch may keep polling it", e)
-        return
-    os.dup2(null, 0)
-    os.close(null)
 
 
 def join_group() -> PlanGroup:
