@@ -20,11 +20,13 @@ settings.register_profile("derandomized", derandomize=True)
 settings.load_profile("derandomized")
 
 # Every HTTP client the tests make (httpx, openai, anthropic) talks to loopback over
-# plain HTTP, yet httpx parses certifi's whole bundle for each client it builds (about
-# 20 ms of CPU each, thousands of times a run). An empty certificate folder makes that
-# free; it is inherited by the servers the tests start, and OpenSSL's default file still
-# verifies what a test's `pip download` fetches.
-os.environ.setdefault("SSL_CERT_DIR", tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-"))
+# plain HTTP, yet httpx loads a CA bundle for each client it builds: SSL_CERT_FILE's
+# where the environment names one, else certifi's. That is 20-40 ms of CPU a client,
+# thousands of times a run. An empty certificate folder in its place makes it free; the
+# servers the tests start inherit it. Whatever uses OpenSSL's default paths still
+# verifies against the system's bundle, and pip has its own (or PIP_CERT).
+os.environ.pop("SSL_CERT_FILE", None)
+os.environ["SSL_CERT_DIR"] = tempfile.mkdtemp(prefix="mlxserve-tests-no-certs-")
 
 # Whether the mlxserve cache folder was chosen outside the tests (`run_cache_dir`).
 _CACHE_DIR_GIVEN = "MLXSERVE_CACHE_DIR" in os.environ

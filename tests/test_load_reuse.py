@@ -1,5 +1,6 @@
-"""What a process read from a checkpoint directory is reused only while the
-directory's files are unchanged: the tokenizer, and an engine's measured cache cost."""
+"""What a process read from a checkpoint directory is reused only while what it was
+read from is unchanged: the tokenizer (by its files' contents), and an engine's
+measured cache cost."""
 
 from __future__ import annotations
 
@@ -27,12 +28,22 @@ def test_a_tokenizer_is_read_again_only_when_its_files_change(
     first = load_tokenizer(path)
     assert load_tokenizer(path) is first
     assert load_tokenizer(path, eos_token_id=[1]) is not first
+    # The same files in another folder, touched, or beside other weights: the same one.
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    for weights in copy.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:-1] + b" ")
+    os.utime(copy / "tokenizer.json", ns=(1, 1))
+    assert load_tokenizer(copy) is first
+    # Other contents (here the chat template): read again.
     config = path / "tokenizer_config.json"
-    stat = config.stat()
-    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    settings = json.loads(config.read_text())
+    settings["chat_template"] = "{{ messages[0]['content'] }}"
+    config.write_text(json.dumps(settings))
     again = load_tokenizer(path)
     assert again is not first
     assert again.encode("hello") == first.encode("hello")
+    assert again.chat_template != first.chat_template
 
 
 def test_an_engine_reuses_a_cost_measured_for_the_same_checkpoint(
