@@ -39,6 +39,11 @@ class Gate(ModelWrapper):
             self._allowed += calls
             self._cond.notify_all()
 
+    def waiting_calls(self) -> int:
+        """Calls let through that have not started yet."""
+        with self._cond:
+            return self._allowed
+
     def open(self) -> None:
         with self._cond:
             self._closed = False
