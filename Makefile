@@ -43,8 +43,12 @@ browser:
 # CPU idle). The mlx.launch tests are one module, so one worker runs them one after
 # another, first (tests/conftest.py orders them first; --no-loadscope-reorder keeps
 # that order instead of xdist's most-tests-first, which left them running alone last).
+# Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as
+# on this machine): the suite starts about fifty Python processes (workers, servers, ranks)
+# on a venv uv installs without bytecode, and each compiled every module it imports
+# (transformers, mlx-lm, ...) again, about 2 s of CPU apiece.
 test: lint browser
-	MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=25
+	PYTHONDONTWRITEBYTECODE= MLXSERVE_REQUIRE_BROWSER=1 $(BIN)/pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=25
 
 # docs/dashboard.png, the README's picture of the operator page, from a live server under load.
 screenshot: $(VENV)/.installed-dev browser
