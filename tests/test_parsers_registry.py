@@ -10,6 +10,18 @@ from mlxserve.parsers import ParserSpec, ToolCallStart, parse_stream, preset, re
 from mlxserve.parsers.dsml import DsmlToolParser
 from mlxserve.parsers.json_tools import HermesToolParser
 from mlxserve.parsers.reasoning import PassthroughParser, ThinkReasoningParser
+from mlxserve.parsers.registry import TokenNames
+
+
+def test_token_names_agree_with_the_whole_vocabulary(loaded_factory) -> None:
+    tokenizer = loaded_factory("llama").tokenizer
+    vocab = tokenizer.get_vocab()
+    names = TokenNames(tokenizer)
+    probes = ["</think>", "｜DSML｜", "<tool_call>", "hello", "Ġthe", "<｜begin▁of▁sentence｜>"]
+    probes += ["no-such-token-anywhere", ""]
+    assert [p in names for p in probes] == [p in vocab for p in probes]
+    assert any(p in names for p in probes) and not all(p in names for p in probes)
+    assert 5 not in names
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from mlxserve.models.loaded import LoadedModel
 from mlxserve.models.progress import LoadProgress
 from mlxserve.models.vision import PromptImage
 from mlxserve.parsers import ParserSpec, resolve_parsers
+from mlxserve.parsers.registry import TokenNames
 
 if TYPE_CHECKING:
     from mlxserve.engine.async_engine import RequestProgress
@@ -138,7 +139,8 @@ class ServerState:
 
     def parsers(self, model: LoadedModel) -> ParserSpec:
         if self._parsers is None:
-            vocab = model.tokenizer.get_vocab() if hasattr(model.tokenizer, "get_vocab") else None
+            tokenizer = model.tokenizer
+            vocab = TokenNames(tokenizer) if hasattr(tokenizer, "convert_tokens_to_ids") else None
             self._parsers = resolve_parsers(
                 model.model_type,
                 vocab,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Container
 from dataclasses import dataclass
+from typing import Any
 
 from mlxserve.parsers.blocks import BlockToolParser
 from mlxserve.parsers.chain import OutputParser
@@ -106,7 +107,7 @@ def _family(model_type: str) -> str | None:
     return None
 
 
-def _auto_reasoning(model_type: str, vocab: Mapping[str, int] | None) -> str:
+def _auto_reasoning(model_type: str, vocab: Container[str] | None) -> str:
     family = _family(model_type)
     if family is not None:
         return family
@@ -117,7 +118,7 @@ def _auto_reasoning(model_type: str, vocab: Mapping[str, int] | None) -> str:
     return "none"
 
 
-def _auto_tool(model_type: str, vocab: Mapping[str, int] | None) -> str:
+def _auto_tool(model_type: str, vocab: Container[str] | None) -> str:
     family = _family(model_type)
     if family is not None:
         return "hermes" if family == "qwen3" else family
@@ -128,9 +129,25 @@ def _auto_tool(model_type: str, vocab: Mapping[str, int] | None) -> str:
     return "none"
 
 
+class TokenNames:
+    """`name in TokenNames(tokenizer)`: whether the tokenizer has a token spelled `name`,
+    by one lookup and its reverse (`get_vocab()` builds a dict of every token: 0.1 s of
+    CPU for DeepSeek's 129k, each time)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        token_id = self._tokenizer.convert_tokens_to_ids(name)
+        # An unknown name may come back as the unknown token's id: only a round trip is sure.
+        return isinstance(token_id, int) and self._tokenizer.convert_ids_to_tokens(token_id) == name
+
+
 def resolve_parsers(
     model_type: str,
-    vocab: Mapping[str, int] | None,
+    vocab: Container[str] | None,
     reasoning: str = "auto",
     tool: str = "auto",
 ) -> ParserSpec:
