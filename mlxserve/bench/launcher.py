@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,11 @@ def start_launch(argv: list[str], **popen: Any) -> subprocess.Popen[bytes]:
     assert feed is not None
 
     def nudge() -> None:
-        stop = threading.Event()
         try:
             while proc.poll() is None:
                 feed.write(b"\n")
                 feed.flush()
-                stop.wait(_NUDGE_EVERY_S)
+                time.sleep(_NUDGE_EVERY_S)
         except (BrokenPipeError, ValueError):
             pass  # mlx.launch is gone (or exiting): nothing left to forward to
         finally:
