@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,9 +29,8 @@ import httpx
 from api_fixtures import free_port
 from server_health import health_status, wait_healthy
 
-from mlxserve.bench.launcher import loopback_launch, start_launch
+from mlxserve.bench.launcher import loopback_launch, mlx_launch_path, start_launch
 
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
 # Each rank runs on a core of its own (see pin_rank.py).
 PIN_RANK = Path(__file__).with_name("pin_rank.py")
 # Stream chunks a client reads before it goes away (abort / disconnect cases).
@@ -40,7 +38,7 @@ READ_BEFORE_LEAVING = 3
 
 
 def launch_available() -> bool:
-    return Path(LAUNCH).is_file()
+    return Path(mlx_launch_path()).is_file()
 
 
 class LaunchedServer:

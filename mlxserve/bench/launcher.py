@@ -60,11 +60,16 @@ def free_loopback_ports(count: int = 1) -> int:
     raise RuntimeError(f"no {count} free loopback ports in a row after {_TRIES} draws")
 
 
+def mlx_launch_path() -> str:
+    """The `mlx.launch` command: on PATH, or beside this interpreter (a venv not activated)."""
+    return shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+
+
 def loopback_launch(*command: str) -> list[str]:
     """`mlx.launch` running `command` as two ranks of this machine (ring, 127.0.0.1 only)."""
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     ring = ["--backend", "ring", "-n", "2", "--hosts", "127.0.0.1"]
-    return [launcher, *ring, "--starting-port", str(free_loopback_ports(2)), "--", *command]
+    ports = ["--starting-port", str(free_loopback_ports(2))]
+    return [mlx_launch_path(), *ring, *ports, "--", *command]
 
 
 # How often `start_launch` hands mlx.launch a byte to forward.
